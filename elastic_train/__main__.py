@@ -1,0 +1,7 @@
+"""``python -m elastic_train`` is the ``elastic-train`` command."""
+
+import sys
+
+from elastic_train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,7 @@
+"""Checkpoints: on-disk format and atomic writes (storage), policy and restore (manager)."""
+
+from elastic_train.checkpoint.manager import CheckpointManager, Restored, snapshot_state
+from elastic_train.checkpoint.storage import CheckpointInfo, CheckpointStore, model_digest
+
+__all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointStore", "Restored",
+           "model_digest", "snapshot_state"]

@@ -1,0 +1,202 @@
+"""When to checkpoint, rank-0 save (snapshot, then persist), and barrier-guarded restore.
+
+Save is split in two stages: a *snapshot* copies every state dict to host memory (the only
+part training must wait for), and a *persist* serialises, checksums and atomically writes it
+(see storage.py). Both run synchronously today; the split is where an asynchronous persist
+goes in.
+
+Restore is the same on every rank and in the same order: rank 0 removes leftovers of torn
+saves, finds the newest checkpoint that verifies (skipping corrupt ones with a warning and
+an event), checks it fits the model, and broadcasts its choice; every rank loads it; a vote
+(all-reduce) makes every rank fail together if any could not load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from elastic_train import distributed
+from elastic_train.checkpoint.storage import (
+    CheckpointInfo,
+    CheckpointStore,
+    check_compatible,
+    model_digest,
+    tensor_shapes,
+)
+from elastic_train.config import CheckpointConfig
+from elastic_train.distributed import Group
+from elastic_train.errors import CheckpointError, CheckpointMismatchError, ElasticTrainError
+from elastic_train.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The checkpoint every rank loaded."""
+
+    step: int
+    path: Path
+    world_size: int | None
+    seconds: float
+
+
+def snapshot_state(objects: Mapping[str, Stateful]) -> dict[str, Any]:
+    """Copy every object's state dict, tensors to fresh host memory, so training may go on."""
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    return {name: copy(obj.state_dict()) for name, obj in objects.items()}
+
+
+class CheckpointManager:
+    """Checkpoints of one run, used identically by every rank."""
+
+    def __init__(self, store: CheckpointStore, group: Group, policy: CheckpointConfig,
+                 events: EventLog, meta: Mapping[str, Any] | None = None) -> None:
+        self.store = store
+        self.group = group
+        self.policy = policy
+        self.events = events
+        self.meta = dict(meta or {})
+        self.saved = 0
+        self.last_saved_step: int | None = None
+        self._last_save_time = time.monotonic()
+
+    # ---- restore -------------------------------------------------------------------------
+    def _choose(self, shapes: Mapping[str, list[Any]]) -> dict[str, Any]:
+        """Rank 0: the newest checkpoint that verifies and fits, or why there is none."""
+        for path in self.store.remove_leftovers():
+            log.warning("removed %s, left by a save or deletion that did not finish", path)
+            self.events.emit("checkpoint_leftover_removed", path=str(path))
+        infos = self.store.list()
+        for info in infos:
+            verdict = self.store.verify(info)
+            if not verdict.valid:
+                log.warning("skipping corrupt checkpoint %s: %s", info.path, verdict.problem)
+                self.events.emit("checkpoint_skipped", step=info.step, path=str(info.path),
+                                 problem=verdict.problem)
+                continue
+            try:
+                check_compatible(info, shapes)
+            except CheckpointMismatchError as exc:
+                return {"error": str(exc), "mismatch": True}
+            return {"step": info.step, "path": str(info.path), "world_size": info.world_size}
+        if infos:
+            return {"error": f"none of the {len(infos)} checkpoints under {self.store.root} "
+                    "verifies (see the warnings above): move them aside to start afresh, "
+                    "nothing was deleted"}
+        return {"step": None}
+
+    def restore(self, objects: Mapping[str, Stateful]) -> Restored | None:
+        """Load the newest valid checkpoint into ``objects`` on every rank; None if none."""
+        started = time.monotonic()
+        model = objects["model"]
+        decision: dict[str, Any] | None = None
+        if self.group.rank == 0:
+            decision = self._choose(tensor_shapes(model.state_dict()))
+        decision = distributed.broadcast_json(self.group, decision)
+        if "error" in decision:
+            kind = CheckpointMismatchError if decision.get("mismatch") else CheckpointError
+            raise kind(decision["error"])
+        if decision["step"] is None:
+            distributed.barrier(self.group)
+            return None
+        path = Path(decision["path"])
+        failure: ElasticTrainError | None = None
+        try:
+            info = CheckpointInfo(path, decision["step"], None)
+            map_location = self.group.device if self.group.device.type == "cuda" else "cpu"
+            payload = self.store.load(info, map_location=map_location)
+            for name, obj in objects.items():
+                if name not in payload:
+                    raise CheckpointMismatchError(
+                        f"checkpoint {path} has no {name!r} state: it was written by another "
+                        "program; use a new --run-dir")
+                obj.load_state_dict(payload[name])
+        except ElasticTrainError as exc:
+            failure = exc
+        except (RuntimeError, KeyError, ValueError) as exc:
+            failure = CheckpointMismatchError(
+                f"checkpoint {path} does not fit this job ({str(exc).splitlines()[0]}): use a "
+                "new --run-dir or the options that wrote it; it was left untouched")
+        if not distributed.all_true(self.group, failure is None):
+            raise failure or CheckpointError(
+                f"another rank could not load checkpoint {path}: see its error above")
+        self._last_save_time = time.monotonic()
+        self.last_saved_step = decision["step"]
+        seconds = time.monotonic() - started
+        self.events.emit("checkpoint_loaded", step=decision["step"], path=str(path),
+                         saved_world_size=decision.get("world_size"),
+                         world_size=self.group.world_size, seconds=round(seconds, 6))
+        return Restored(decision["step"], path, decision.get("world_size"), seconds)
+
+    # ---- save ----------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether the policy asks for a checkpoint after ``step`` (rank 0's view)."""
+        if step == self.last_saved_step:
+            return False
+        every = self.policy.every_steps
+        if every is not None and step % every == 0:
+            return True
+        interval = self.policy.every_seconds
+        return interval is not None and time.monotonic() - self._last_save_time >= interval
+
+    def save(self, step: int, objects: Mapping[str, Stateful], reason: str = "periodic"
+             ) -> CheckpointInfo | None:
+        """Rank 0 writes checkpoint ``step``; other ranks return at once."""
+        if self.group.rank != 0 or step == self.last_saved_step:
+            return None
+        started = time.monotonic()
+        snapshot = snapshot_state(objects)
+        snapshotted = time.monotonic()
+        info = self.persist(step, snapshot)
+        persisted = time.monotonic()
+        self._last_save_time = persisted
+        self.last_saved_step = step
+        self.saved += 1
+        self.events.emit("checkpoint_saved", step=step, path=str(info.path), reason=reason,
+                         bytes=info.size_bytes, model_digest=info.model_digest,
+                         snapshot_seconds=round(snapshotted - started, 6),
+                         persist_seconds=round(persisted - snapshotted, 6))
+        return info
+
+    def persist(self, step: int, snapshot: Mapping[str, Any]) -> CheckpointInfo:
+        """Write a snapshot atomically, then apply retention."""
+        model_state = snapshot["model"]
+        meta = {
+            **self.meta,
+            "world_size": self.group.world_size,
+            "model_digest": model_digest(model_state),
+            "model_shapes": tensor_shapes(model_state),
+        }
+        try:
+            info = self.store.write(step, snapshot, meta)
+        except OSError as exc:
+            self.events.emit("checkpoint_failed", step=step, error=str(exc))
+            raise CheckpointError(
+                f"could not write checkpoint {step} under {self.store.root} ({exc.strerror or exc}"
+                "): free space or fix permissions; the previous checkpoints are intact") from exc
+        for path in self.store.apply_retention(self.policy.keep):
+            self.events.emit("checkpoint_deleted", path=str(path), reason="retention")
+        return info

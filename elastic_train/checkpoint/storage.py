@@ -1,0 +1,340 @@
+"""On-disk checkpoints: format, atomic write, manifest with checksums, listing, retention.
+
+Layout under ``<run_dir>/checkpoints``::
+
+    step-00000050/state.pt        the payload (torch.save of tensors and plain data)
+    step-00000050/manifest.json   step, world size, time, format version, sha256 of every
+                                  payload file, model digest and tensor shapes, and the
+                                  manifest's own checksum
+    .tmp-step-00000100-<pid>-<hex>/   a save in progress (or torn by a crash)
+    .trash-step-00000010-<hex>/       a checkpoint being deleted by retention
+
+A save writes into a ``.tmp-`` directory, fsyncs every file and the directory, renames it to
+``step-N`` and fsyncs the parent: the rename is the commit point. A crash at any instant
+leaves either the old set, or the old set plus one complete new checkpoint (plus leftovers
+whose names no reader takes for a checkpoint). Nothing here does collective calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from elastic_train.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    UnsafeCheckpointError,
+)
+
+FORMAT = "elastic_train.checkpoint"
+FORMAT_VERSION = 1
+PAYLOAD = "state.pt"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_LEFTOVER_PREFIXES = (".tmp-", ".trash-")
+_HASH_CHUNK = 8 << 20
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the manifest of one checkpoint says (``manifest`` is None when it is unreadable)."""
+
+    path: Path
+    step: int
+    manifest: Mapping[str, Any] | None
+    problem: str | None = None
+
+    @property
+    def world_size(self) -> int | None:
+        return None if self.manifest is None else self.manifest.get("world_size")
+
+    @property
+    def time(self) -> float | None:
+        return None if self.manifest is None else self.manifest.get("time")
+
+    @property
+    def size_bytes(self) -> int:
+        if self.manifest is None:
+            return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
+        return sum(int(f["bytes"]) for f in self.manifest["files"].values())
+
+    @property
+    def model_digest(self) -> str | None:
+        return None if self.manifest is None else self.manifest.get("model_digest")
+
+
+@dataclass
+class Verdict:
+    """The result of verifying one checkpoint's bytes."""
+
+    info: CheckpointInfo
+    valid: bool
+    problem: str | None = None
+    checked_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _HashingWriter:
+    """A file wrapper that hashes and counts what passes through ``write``."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def model_digest(model_state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, in name order.
+
+    Equal digests mean bitwise-equal weights, whatever the file bytes around them.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(model_state):
+        tensor = model_state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def tensor_shapes(model_state: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
+    """{name: [dtype, shape]} of a model state, stored in the manifest for cheap checks."""
+    return {name: [str(t.dtype), list(t.shape)] for name, t in model_state.items()}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _sha256_file(path: Path) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+class CheckpointStore:
+    """The checkpoints of one run directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    # ---- writing -------------------------------------------------------------------------
+    def write(self, step: int, payload: Mapping[str, Any], meta: Mapping[str, Any],
+              *, fault_hook: Any = None) -> CheckpointInfo:
+        """Atomically write ``payload`` as checkpoint ``step``; return its info.
+
+        ``meta`` goes into the manifest (world size, model digest and shapes, task, ...).
+        ``fault_hook(stage)`` is called between the stages of the save (tests crash there).
+        """
+        hook = fault_hook or (lambda stage: None)
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / step_dirname(step)
+        tmp = self.root / f".tmp-{step_dirname(step)}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            hook("tmp-created")
+            with open(tmp / PAYLOAD, "wb") as f:
+                writer = _HashingWriter(f)
+                torch.save(dict(payload), writer)
+                hook("payload-written")
+                f.flush()
+                os.fsync(f.fileno())
+            hook("payload-synced")
+            manifest: dict[str, Any] = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "time": time.time(),
+                "files": {PAYLOAD: {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}},
+                **meta,
+            }
+            manifest["manifest_sha256"] = _manifest_checksum(manifest)
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            hook("manifest-synced")
+            if final.exists():
+                self._set_aside(final)
+            os.rename(tmp, final)
+            hook("renamed")
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return CheckpointInfo(final, step, manifest)
+
+    def _set_aside(self, path: Path) -> None:
+        """Move an existing (necessarily invalid) checkpoint out of the way, keeping its bytes."""
+        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}-{secrets.token_hex(2)}")
+        os.rename(path, aside)
+
+    # ---- reading -------------------------------------------------------------------------
+    def _step_dirs(self) -> Iterator[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return
+        for entry in self.root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and entry.is_dir():
+                yield int(match.group(1)), entry
+
+    def read_info(self, path: Path, step: int) -> CheckpointInfo:
+        """Parse one checkpoint's manifest without reading the payload."""
+        manifest_path = path / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            return CheckpointInfo(path, step, None, "manifest.json is missing")
+        except (OSError, ValueError) as exc:
+            return CheckpointInfo(path, step, None, f"manifest.json is unreadable ({exc})")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            return CheckpointInfo(path, step, None, "manifest.json is not an elastic_train "
+                                  "manifest")
+        if manifest.get("manifest_sha256") != _manifest_checksum(manifest):
+            return CheckpointInfo(path, step, None, "manifest.json was edited (its checksum "
+                                  "does not match)")
+        if manifest.get("step") != step:
+            return CheckpointInfo(path, step, None, f"manifest.json says step "
+                                  f"{manifest.get('step')}, the directory says {step}")
+        return CheckpointInfo(path, step, manifest)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every ``step-N`` checkpoint, newest first, with its manifest parsed (cheap)."""
+        found = sorted(self._step_dirs(), reverse=True)
+        return [self.read_info(path, step) for step, path in found]
+
+    def verify(self, info: CheckpointInfo) -> Verdict:
+        """Check the manifest, the format version and every payload file's size and sha256."""
+        if info.manifest is None:
+            return Verdict(info, False, info.problem)
+        version = info.manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            return Verdict(info, False, f"format version {version} is not {FORMAT_VERSION} "
+                           "(written by another elastic_train version)")
+        checked = 0
+        for name, expected in info.manifest["files"].items():
+            path = info.path / name
+            if not path.is_file():
+                return Verdict(info, False, f"{name} is missing")
+            if path.stat().st_size != int(expected["bytes"]):
+                return Verdict(info, False, f"{name} has {path.stat().st_size} bytes, the "
+                               f"manifest says {expected['bytes']}")
+            actual, size = _sha256_file(path)
+            checked += size
+            if actual != expected["sha256"]:
+                return Verdict(info, False, f"{name} fails its sha256 checksum")
+        return Verdict(info, True, None, checked)
+
+    def load(self, info: CheckpointInfo, map_location: str | torch.device = "cpu"
+             ) -> dict[str, Any]:
+        """Read the payload with ``weights_only=True``: no pickled code ever runs."""
+        path = info.path / PAYLOAD
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise UnsafeCheckpointError(
+                f"checkpoint {info.path} holds pickled objects that safe loading refuses to run "
+                f"({first[:160]}); it was not loaded — delete it if you did not write it"
+            ) from None
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint {info.path} is not readable on this host: put the run directory "
+                "on storage that every node mounts") from None
+        except (RuntimeError, OSError, EOFError) as exc:
+            raise CheckpointCorruptError(f"checkpoint {info.path} cannot be read ({exc})") \
+                from None
+
+    # ---- housekeeping --------------------------------------------------------------------
+    def leftovers(self) -> list[Path]:
+        """Temp and trash directories of saves or deletions that did not finish."""
+        if not self.root.is_dir():
+            return []
+        return [p for p in self.root.iterdir() if p.name.startswith(_LEFTOVER_PREFIXES)]
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete the leftovers (only when no save of this run can be in flight)."""
+        removed = self.leftovers()
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+    def apply_retention(self, keep: int) -> list[Path]:
+        """Delete all but the newest ``keep`` complete checkpoints; return what was deleted.
+
+        Only checkpoints with a sound manifest count as kept, and the newest of them is
+        never deleted, so retention cannot leave a run without its last good checkpoint.
+        """
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        complete = [info for info in self.list() if info.manifest is not None]
+        deleted = []
+        for info in complete[keep:]:
+            trash = self.root / f".trash-{info.path.name}-{secrets.token_hex(4)}"
+            os.rename(info.path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            deleted.append(info.path)
+        if deleted:
+            _fsync_dir(self.root)
+        return deleted
+
+
+def check_compatible(info: CheckpointInfo, expected_shapes: Mapping[str, list[Any]]) -> None:
+    """Refuse a checkpoint whose model tensors differ from ours, naming the first mismatch."""
+    assert info.manifest is not None
+    theirs: Mapping[str, list[Any]] = info.manifest.get("model_shapes", {})
+    fix = ("use a new --run-dir, or the --task and task options that wrote it; "
+           "the checkpoint was left untouched")
+    for name, (dtype, shape) in expected_shapes.items():
+        if name not in theirs:
+            raise CheckpointMismatchError(
+                f"checkpoint {info.path} is for another model: it has no tensor {name!r}; {fix}")
+        their_dtype, their_shape = theirs[name]
+        if list(their_shape) != list(shape) or their_dtype != dtype:
+            raise CheckpointMismatchError(
+                f"checkpoint {info.path} is for another model: tensor {name!r} is "
+                f"{their_dtype}{list(their_shape)} there and {dtype}{list(shape)} here; {fix}")
+    extra = sorted(set(theirs) - set(expected_shapes))
+    if extra:
+        raise CheckpointMismatchError(
+            f"checkpoint {info.path} is for another model: it has tensor {extra[0]!r} that "
+            f"this model lacks; {fix}")

@@ -1,0 +1,322 @@
+"""Job configuration: frozen dataclasses, a config file, and command-line overrides.
+
+Precedence: built-in defaults < config file (``--config job.toml`` or ``.json``) < options.
+The file has one table per section, with the same field names as the dataclasses below::
+
+    run_dir = "runs/demo"
+    [train]
+    steps = 400
+    task_options = { preset = "small" }
+    [checkpoint]
+    every_steps = 50
+
+Every file field has a command-line option (the table in ``OPTIONS``), so the command line
+can override anything the file sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_train.errors import ConfigError
+
+OptionValue = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how."""
+
+    task: str = "gpt"
+    task_options: Mapping[str, OptionValue] = field(default_factory=dict)
+    steps: int = 300
+    batch_size: int = 16
+    micro_batch_size: int = 0
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    record_samples: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When to checkpoint and how many to keep."""
+
+    every_steps: int | None = 50
+    every_seconds: float | None = None
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Process-group settings."""
+
+    backend: str = "auto"
+    timeout_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A whole job: where it writes and its sections."""
+
+    run_dir: Path = Path("runs/default")
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict in the config file's layout."""
+        out: dict[str, Any] = {"run_dir": str(self.run_dir)}
+        for name in SECTIONS:
+            out[name] = dataclasses.asdict(getattr(self, name))
+            if name == "train":
+                out[name]["task_options"] = dict(self.train.task_options)
+        return out
+
+
+SECTIONS: dict[str, type] = {
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "distributed": DistributedConfig,
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option and the config field it sets ('' section: top level)."""
+
+    flag: str
+    section: str
+    name: str
+    help: str
+    parse: Any = str
+    metavar: str | None = None
+
+
+def _optional_positive_int(text: str) -> int | None:
+    if text.lower() in ("none", "off"):
+        return None
+    return int(text)
+
+
+def _optional_positive_float(text: str) -> float | None:
+    if text.lower() in ("none", "off"):
+        return None
+    return float(text)
+
+
+def _bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--run-dir", "", "run_dir", "directory for checkpoints and the event log", Path),
+    Option("--task", "train", "task", "built-in task name (gpt) or package.module:factory"),
+    Option("--steps", "train", "steps", "optimizer steps in total", int),
+    Option("--batch-size", "train", "batch_size",
+           "global batch: samples per optimizer step over all ranks", int),
+    Option("--micro-batch-size", "train", "micro_batch_size",
+           "largest per-rank forward pass; larger shares accumulate gradients (0: no limit)",
+           int),
+    Option("--lr", "train", "lr", "peak learning rate", float),
+    Option("--warmup-steps", "train", "warmup_steps", "linear warm-up steps", int),
+    Option("--lr-schedule", "train", "lr_schedule", "cosine or constant after warm-up"),
+    Option("--grad-clip", "train", "grad_clip", "max global gradient norm (0: off)", float),
+    Option("--seed", "train", "seed", "seed of weights, data order and dropout", int),
+    Option("--log-every", "train", "log_every", "print progress every N steps", int),
+    Option("--record-samples", "train", "record_samples",
+           "write the sample ids of every step to RUN_DIR/samples/ (for audits)", _bool,
+           "BOOL"),
+    Option("--checkpoint-every", "checkpoint", "every_steps",
+           "checkpoint every N steps ('off' to only use --checkpoint-interval)",
+           _optional_positive_int, "N"),
+    Option("--checkpoint-interval", "checkpoint", "every_seconds",
+           "also checkpoint when this many seconds passed since the last one",
+           _optional_positive_float, "SECONDS"),
+    Option("--keep-checkpoints", "checkpoint", "keep", "newest valid checkpoints kept", int),
+    Option("--backend", "distributed", "backend", "auto (gloo on CPU, nccl on CUDA), gloo, nccl"),
+    Option("--collective-timeout", "distributed", "timeout_seconds",
+           "seconds before a stuck collective fails the worker", float),
+)
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _unknown(kind: str, key: str, known: Sequence[str], fix: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown {kind} {key!r}{hint}: {fix}; known: {', '.join(known)}")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a TOML or JSON config file into the nested layout; no validation of values."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist: pass --config with a .toml or .json")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            data = tomllib.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"config file {path} cannot be parsed ({exc}): fix its syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of sections, not {type(data)}")
+    top_known = ["run_dir", *SECTIONS]
+    for key, value in data.items():
+        if key not in top_known:
+            raise _unknown("config key", key, top_known, f"remove it from {path}")
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file {path}: [{key}] must be a table")
+            known = _field_names(SECTIONS[key])
+            for sub in value:
+                if sub not in known:
+                    raise _unknown(f"config key in [{key}]", sub, known, f"remove it from {path}")
+    return data
+
+
+_FILE_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+    "int | None": (int, type(None)), "float | None": (int, float, type(None)),
+    "Mapping[str, OptionValue]": (dict,),
+}
+
+
+def _check_file_types(section: str, values: Mapping[str, Any]) -> None:
+    hints = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
+    for key, value in values.items():
+        allowed = _FILE_TYPES[str(hints[key])]
+        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+            raise ConfigError(f"[{section}] {key} = {value!r} is invalid: expected {hints[key]}")
+
+
+def _check(condition: bool, flag: str, value: Any, requirement: str) -> None:
+    if not condition:
+        raise ConfigError(f"{flag} {value} is invalid: it must be {requirement}")
+
+
+def validate(config: JobConfig) -> JobConfig:
+    """Reject values that cannot work, naming the option and what it must be."""
+    t, c, d = config.train, config.checkpoint, config.distributed
+    _check(bool(t.task), "--task", repr(t.task), "a built-in name or package.module:factory")
+    _check(t.steps > 0, "--steps", t.steps, "a positive number of steps")
+    _check(t.batch_size > 0, "--batch-size", t.batch_size, "a positive number of samples")
+    _check(t.micro_batch_size >= 0, "--micro-batch-size", t.micro_batch_size, ">= 0")
+    _check(t.lr > 0, "--lr", t.lr, "positive")
+    _check(t.warmup_steps >= 0, "--warmup-steps", t.warmup_steps, ">= 0")
+    _check(t.lr_schedule in ("cosine", "constant"), "--lr-schedule", t.lr_schedule,
+           "'cosine' or 'constant'")
+    _check(t.grad_clip >= 0, "--grad-clip", t.grad_clip, ">= 0 (0 turns clipping off)")
+    _check(t.log_every > 0, "--log-every", t.log_every, "a positive number of steps")
+    _check(c.every_steps is None or c.every_steps > 0, "--checkpoint-every", c.every_steps,
+           "a positive number of steps, or 'off'")
+    _check(c.every_seconds is None or c.every_seconds > 0, "--checkpoint-interval",
+           c.every_seconds, "a positive number of seconds, or 'off'")
+    _check(c.keep >= 1, "--keep-checkpoints", c.keep, "at least 1")
+    _check(d.backend in ("auto", "gloo", "nccl"), "--backend", d.backend,
+           "'auto', 'gloo' or 'nccl'")
+    _check(d.timeout_seconds > 0, "--collective-timeout", d.timeout_seconds, "positive")
+    return config
+
+
+def _parse_task_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--task-opt {text!r} is invalid: write it as KEY=VALUE")
+    return key.strip(), value
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message}: see '{self.prog} --help'")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every job option to ``parser`` (defaults suppressed: absent means 'not given')."""
+    group = parser.add_argument_group("job options")
+    group.add_argument("--config", type=Path, default=argparse.SUPPRESS, metavar="FILE",
+                       help="TOML or JSON config file; options given here override it")
+    for opt in OPTIONS:
+        group.add_argument(opt.flag, dest=f"{opt.section}.{opt.name}", type=str,
+                           default=argparse.SUPPRESS, metavar=opt.metavar, help=opt.help)
+    group.add_argument("--task-opt", dest="task_opt", action="append", default=argparse.SUPPRESS,
+                       metavar="KEY=VALUE", help="a task option (repeatable), e.g. preset=medium")
+    group.add_argument("--preset", dest="preset", default=argparse.SUPPRESS,
+                       help="shortcut for --task-opt preset=NAME (built-in task: tiny, small, "
+                            "medium, large)")
+    group.add_argument("--corpus", dest="corpus", default=argparse.SUPPRESS,
+                       help="shortcut for --task-opt corpus=PATH (built-in task)")
+
+
+def job_parser(prog: str = "elastic_train.train") -> argparse.ArgumentParser:
+    """The strict parser of job options alone (what ``-m elastic_train.train`` accepts)."""
+    parser = _RaisingParser(prog=prog, description="elastic_train worker: job options",
+                             allow_abbrev=False)
+    add_job_arguments(parser)
+    return parser
+
+
+def config_from_namespace(ns: argparse.Namespace) -> JobConfig:
+    """Merge defaults, the config file named in ``ns`` and the options set in ``ns``."""
+    given = vars(ns)
+    layered: dict[str, Any] = {}
+    if "config" in given:
+        layered = read_config_file(given["config"])
+    sections = {name: dict(layered.get(name, {})) for name in SECTIONS}
+    for name, values in sections.items():
+        _check_file_types(name, values)
+    top: dict[str, Any] = {}
+    if "run_dir" in layered:
+        top["run_dir"] = Path(layered["run_dir"])
+    for opt in OPTIONS:
+        key = f"{opt.section}.{opt.name}"
+        if key not in given:
+            continue
+        try:
+            value = opt.parse(given[key])
+        except ValueError:
+            raise ConfigError(f"{opt.flag} {given[key]!r} is invalid: expected "
+                              f"{getattr(opt.parse, '__name__', 'a value').strip('_')}") from None
+        if opt.section:
+            sections[opt.section][opt.name] = value
+        else:
+            top[opt.name] = value
+    task_options = dict(sections["train"].get("task_options", {}))
+    for text in given.get("task_opt", []):
+        key, value = _parse_task_option(text)
+        task_options[key] = value
+    for shortcut in ("preset", "corpus"):
+        if shortcut in given:
+            task_options[shortcut] = given[shortcut]
+    sections["train"]["task_options"] = task_options
+    try:
+        built = {name: cls(**sections[name]) for name, cls in SECTIONS.items()}
+    except TypeError as exc:
+        raise ConfigError(f"config is invalid ({exc}): check the field names") from None
+    config = JobConfig(run_dir=Path(top.get("run_dir", JobConfig.run_dir)), **built)
+    return validate(config)
+
+
+def parse_job_args(argv: Sequence[str], prog: str = "elastic_train.train") -> JobConfig:
+    """Parse job options strictly: an unknown option is a ConfigError."""
+    return config_from_namespace(job_parser(prog).parse_args(list(argv)))

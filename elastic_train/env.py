@@ -1,0 +1,82 @@
+"""The one reader of the process environment: what torchrun tells a worker about itself."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """A worker's place in the job, as torch.distributed.elastic sets it.
+
+    Outside torchrun (plain ``python -m elastic_train.train``) this describes a world of one.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+    restart_count: int = 0
+    max_restarts: int = 0
+    run_id: str = "local"
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    use_agent_store: bool = False
+    under_torchrun: bool = False
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def single_node(self) -> bool:
+        """All ranks run under one agent (so they share one restart count)."""
+        return self.world_size == self.local_world_size
+
+
+def _int(environ: Mapping[str, str], key: str, default: int) -> int:
+    value = environ.get(key)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
+    """Read RANK, WORLD_SIZE, TORCHELASTIC_* and MASTER_* into a WorkerEnv."""
+    env = os.environ if environ is None else environ
+    port = env.get("MASTER_PORT")
+    return WorkerEnv(
+        rank=_int(env, "RANK", 0),
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        world_size=_int(env, "WORLD_SIZE", 1),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", 1),
+        group_rank=_int(env, "GROUP_RANK", 0),
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+        run_id=env.get("TORCHELASTIC_RUN_ID", "local") or "local",
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1") or "127.0.0.1",
+        master_port=int(port) if port else None,
+        use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        under_torchrun="TORCHELASTIC_RUN_ID" in env,
+    )
+
+
+def launcher_environment_defaults() -> dict[str, str]:
+    """Environment the launcher sets for torch's agent before it starts (see launch.py).
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes every rendezvous round create a fresh
+    c10d store, so keys of a dead incarnation cannot mislead the next one (FIELD-NOTES).
+    """
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def apply_environment_defaults(defaults: Mapping[str, str]) -> None:
+    """Set each variable unless the user already set it."""
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)

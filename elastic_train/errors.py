@@ -1,0 +1,49 @@
+"""Exception types of elastic_train.
+
+Every message says what is wrong and what to do about it, in one line, so that the
+console command can print it as is and exit non-zero.
+"""
+
+from __future__ import annotations
+
+
+class ElasticTrainError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    exit_code: int = 1
+
+
+class ConfigError(ElasticTrainError):
+    """A job option, config file or task option is missing, unknown or out of range."""
+
+    exit_code = 2
+
+
+class TaskError(ElasticTrainError):
+    """A task cannot be imported or built, or breaks the Task protocol."""
+
+    exit_code = 2
+
+
+class CheckpointError(ElasticTrainError):
+    """A checkpoint cannot be written, read or used."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's files do not match its manifest (torn write, bit rot, edits)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A valid checkpoint belongs to another model or format: refusing it keeps it intact."""
+
+    exit_code = 3
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint payload holds objects that `weights_only` loading refuses to execute."""
+
+    exit_code = 3
+
+
+class DistributedError(ElasticTrainError):
+    """The process group cannot be formed or a collective timed out."""

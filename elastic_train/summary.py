@@ -1,0 +1,75 @@
+"""The end-of-run summary, drawn from the event log."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What one launch of a run did, across all its restarts."""
+
+    run_id: str | None
+    steps_done: int
+    total_steps: int | None
+    final_loss: float | None
+    first_loss: float | None
+    checkpoints_written: int
+    checkpoints_skipped: int
+    restarts: int
+    steps_redone: int
+    world_sizes: tuple[int, ...]
+
+    def lines(self) -> list[str]:
+        loss = "n/a" if self.final_loss is None else f"{self.final_loss:.4f}"
+        first = "" if self.first_loss is None else f" (first step: {self.first_loss:.4f})"
+        sizes = " -> ".join(str(w) for w in self.world_sizes) or "n/a"
+        return [
+            f"run {self.run_id}: {self.steps_done}/{self.total_steps} steps",
+            f"  final loss        {loss}{first}",
+            f"  checkpoints       {self.checkpoints_written} written, "
+            f"{self.checkpoints_skipped} skipped as corrupt",
+            f"  restarts survived {self.restarts} ({self.steps_redone} steps redone)",
+            f"  world size        {sizes}",
+        ]
+
+
+def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> RunSummary:
+    """Summarise the newest launch of ``run_id`` (or of the newest run in the log)."""
+    records = list(events)
+    starts = [i for i, e in enumerate(records) if e["event"] == "start"
+              and (run_id is None or e.get("run_id") == run_id)]
+    if not starts:
+        return RunSummary(run_id, 0, None, None, None, 0, 0, 0, 0, ())
+    run_id = records[starts[-1]].get("run_id")
+    mine = [i for i in starts if records[i].get("run_id") == run_id]
+    fresh = [i for i in mine if records[i].get("restart", 0) == 0]
+    begin = fresh[-1] if fresh else mine[0]
+    segment = records[begin:]
+    steps = [e for e in segment if e["event"] == "step"]
+    seen: set[int] = set()
+    redone = 0
+    for e in steps:
+        if e["step"] in seen:
+            redone += 1
+        seen.add(e["step"])
+    sizes: list[int] = []
+    for e in segment:
+        if e["event"] == "start" and (not sizes or sizes[-1] != e.get("world_size")):
+            sizes.append(e.get("world_size"))
+    restarts = max((e.get("restart", 0) for e in segment if e["event"] == "start"), default=0)
+    return RunSummary(
+        run_id=run_id,
+        steps_done=max(seen, default=0),
+        total_steps=records[begin].get("total_steps"),
+        final_loss=steps[-1]["loss"] if steps else None,
+        first_loss=steps[0]["loss"] if steps and steps[0]["step"] == 1 else None,
+        checkpoints_written=sum(e["event"] == "checkpoint_saved" for e in segment),
+        checkpoints_skipped=sum(e["event"] == "checkpoint_skipped" for e in segment),
+        restarts=restarts,
+        steps_redone=redone,
+        world_sizes=tuple(sizes),
+    )
+

@@ -1,0 +1,63 @@
+"""The worker entrypoint torchrun runs: ``torchrun ... -m elastic_train.train [job options]``.
+
+Also runs without torchrun, as a world of one: ``python -m elastic_train.train ...``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from elastic_train.config import parse_job_args
+from elastic_train.distributed import destroy_group, init_group
+from elastic_train.env import read_worker_env
+from elastic_train.errors import ElasticTrainError
+from elastic_train.rundir import prepare_run_dir
+from elastic_train.tasks.base import TaskContext
+from elastic_train.tasks.loader import load_task
+from elastic_train.trainer import Trainer
+
+
+def _setup_logging(rank: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("elastic_train")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _record_for_agent(exc: BaseException) -> None:
+    """Leave the error where torch's agent reports it (TORCHELASTIC_ERROR_FILE)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+    except Exception:  # reporting must never hide the original error
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one worker; return its exit code (0 done, non-zero failed)."""
+    env = read_worker_env()
+    _setup_logging(env.rank)
+    try:
+        config = parse_job_args(sys.argv[1:] if argv is None else argv)
+        if env.rank == 0:
+            prepare_run_dir(config.run_dir)
+        task = load_task(config.train.task, TaskContext(config.train.task_options,
+                                                        config.train.seed, config.run_dir))
+        group = init_group(env, config.distributed.backend, config.distributed.timeout_seconds)
+        Trainer(config, env, task, group).run()
+    except ElasticTrainError as exc:
+        print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
+        _record_for_agent(exc)
+        return exc.exit_code
+    finally:
+        destroy_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The training loop: composes task, sampler, DDP and checkpoints; owns (step, samples).
+
+Exactness: the data of step ``s`` is the next global batch of the (seed, epoch) order, split
+among today's ranks; its randomness comes from (seed, step, rank); each rank's loss is
+weighted by its share of the global batch, so the update is the mean over the global batch
+whatever the split. A run resumed at the same world size is therefore bitwise equal to one
+that never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_train import distributed
+from elastic_train.checkpoint.manager import CheckpointManager, Restored
+from elastic_train.checkpoint.storage import CheckpointStore
+from elastic_train.config import JobConfig
+from elastic_train.distributed import Group
+from elastic_train.env import WorkerEnv
+from elastic_train.errors import ConfigError
+from elastic_train.events import EVENTS_FILE, EventLog, read_events
+from elastic_train.sampler import ResumableSampler
+from elastic_train.seeding import derive_seed
+from elastic_train.summary import RunSummary, summarize
+from elastic_train.tasks.base import Task, collate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerState:
+    """The trainer's own resumable state."""
+
+    step: int = 0
+    samples_seen: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the peak LR for optimizer step ``step`` (0-based): warm-up, then decay."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def micro_batches(indices: torch.Tensor, limit: int) -> list[torch.Tensor]:
+    """Split a rank's share into forward passes of at most ``limit`` samples (0: one pass)."""
+    if limit <= 0 or len(indices) <= limit:
+        return [indices]
+    return list(torch.split(indices, limit))
+
+
+class Trainer:
+    """Runs one incarnation of a worker: restore, train to ``steps``, final checkpoint."""
+
+    def __init__(self, config: JobConfig, env: WorkerEnv, task: Task, group: Group,
+                 out: TextIO | None = None) -> None:
+        self.config = config
+        self.env = env
+        self.task = task
+        self.group = group
+        self.out = out or sys.stdout
+        run_dir = Path(config.run_dir)
+        self.events = EventLog(run_dir / EVENTS_FILE, enabled=group.rank == 0)
+        self.state = TrainerState()
+        self._samples_file: TextIO | None = None
+
+    # ---- building ------------------------------------------------------------------------
+    def _build(self) -> None:
+        cfg = self.config.train
+        torch.manual_seed(derive_seed(cfg.seed, "init"))
+        self.model = self.task.build_model().to(self.group.device)
+        self.dataset = self.task.build_dataset()
+        if len(self.dataset) < cfg.batch_size:
+            raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(self.dataset)} "
+                              "samples of the dataset: use a smaller batch or more data")
+        if cfg.batch_size < self.group.world_size:
+            raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the world size "
+                              f"{self.group.world_size}: every rank needs at least one sample")
+        self.sampler = ResumableSampler(len(self.dataset), cfg.seed)
+        self.optimizer = self.task.build_optimizer(self.model, cfg.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.lr_schedule))
+        store = CheckpointStore(Path(self.config.run_dir) / "checkpoints")
+        meta = {"task": cfg.task, "task_options": dict(cfg.task_options),
+                "run_id": self.env.run_id, "batch_size": cfg.batch_size}
+        self.checkpoints = CheckpointManager(store, self.group, self.config.checkpoint,
+                                             self.events, meta)
+
+    def _stateful(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                "trainer": self.state, "sampler": self.sampler}
+
+    # ---- one step ------------------------------------------------------------------------
+    def _step(self, ddp: DistributedDataParallel) -> float:
+        cfg = self.config.train
+        rank, world = self.group.rank, self.group.world_size
+        batch = self.sampler.next_batch(cfg.batch_size)
+        mine = batch.shard(rank, world)
+        torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.group.device)
+        chunks = micro_batches(mine, cfg.micro_batch_size)
+        for i, chunk in enumerate(chunks):
+            inputs = collate(self.task, [self.dataset[int(j)] for j in chunk])
+            inputs = _to_device(inputs, self.group.device)
+            last = i == len(chunks) - 1
+            context = ddp.no_sync() if not last and world > 1 else contextlib.nullcontext()
+            with context:
+                loss = self.task.loss(ddp, inputs)
+                # DDP averages gradients over ranks; weighting by share * world / global
+                # batch makes the result the mean over the global batch for any split.
+                (loss * (len(chunk) * world / cfg.batch_size)).backward()
+            loss_sum += loss.detach().double() * len(chunk)
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(loss_sum)
+        self.state.step += 1
+        self.state.samples_seen += cfg.batch_size
+        if cfg.record_samples:
+            self._record_samples(batch.epoch, batch.offset, mine)
+        return float(loss_sum.item()) / cfg.batch_size
+
+    def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
+        if self._samples_file is None:
+            path = Path(self.config.run_dir) / "samples" / f"rank-{self.group.rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._samples_file = open(path, "a", buffering=1)
+        self._samples_file.write(json.dumps({
+            "step": self.state.step, "epoch": epoch, "offset": offset,
+            "world_size": self.group.world_size, "restart": self.env.restart_count,
+            "rank": self.group.rank, "indices": indices.tolist()}) + "\n")
+
+    # ---- the run -------------------------------------------------------------------------
+    def run(self) -> RunSummary | None:
+        """Train to the configured step count; return the run's summary on rank 0."""
+        cfg = self.config.train
+        self._build()
+        self.events.emit("start", run_id=self.env.run_id, restart=self.env.restart_count,
+                         world_size=self.group.world_size, total_steps=cfg.steps,
+                         backend=self.group.backend, config=self.config.to_dict())
+        restored = self.checkpoints.restore(self._stateful())
+        self._announce(restored)
+        ddp = DistributedDataParallel(
+            self.model,
+            device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
+        ddp.train()
+        window_start, window_steps = time.monotonic(), 0
+        while self.state.step < cfg.steps:
+            began = time.monotonic()
+            loss = self._step(ddp)
+            step_seconds = time.monotonic() - began
+            window_steps += 1
+            self.events.emit("step", step=self.state.step, loss=round(loss, 6),
+                             lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
+                             world_size=self.group.world_size, samples=self.state.samples_seen,
+                             seconds=round(step_seconds, 6), restart=self.env.restart_count)
+            if self.state.step % cfg.log_every == 0 or self.state.step == cfg.steps:
+                elapsed = time.monotonic() - window_start
+                self._progress(loss, window_steps * cfg.batch_size / max(elapsed, 1e-9))
+                window_start, window_steps = time.monotonic(), 0
+            if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
+                self.checkpoints.save(self.state.step, self._stateful())
+        self.checkpoints.save(self.state.step, self._stateful(), reason="final")
+        distributed.barrier(self.group)
+        self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
+        return self._finish()
+
+    def _announce(self, restored: Restored | None) -> None:
+        if self.group.rank != 0:
+            return
+        if restored is None:
+            self._print(f"starting {self.config.train.task} from scratch: world size "
+                        f"{self.group.world_size}, {self.config.train.steps} steps")
+            return
+        if self.env.restart_count:
+            self.events.emit("restart", restart=self.env.restart_count, step=restored.step)
+        self._print(f"resumed from {restored.path} (step {restored.step}, saved at world size "
+                    f"{restored.world_size}, now {self.group.world_size}; "
+                    f"restart {self.env.restart_count})")
+
+    def _progress(self, loss: float, samples_per_second: float) -> None:
+        if self.group.rank != 0:
+            return
+        self._print(f"step {self.state.step}/{self.config.train.steps}  loss {loss:.4f}  "
+                    f"lr {self.scheduler.get_last_lr()[0]:.2e}  world {self.group.world_size}  "
+                    f"{samples_per_second:.0f} samples/s")
+
+    def _finish(self) -> RunSummary | None:
+        if self._samples_file is not None:
+            self._samples_file.close()
+        self.events.close()
+        if self.group.rank != 0:
+            return None
+        summary = summarize(read_events(Path(self.config.run_dir) / EVENTS_FILE),
+                            self.env.run_id)
+        for line in summary.lines():
+            self._print(line)
+        return summary
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
