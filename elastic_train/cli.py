@@ -1,7 +1,138 @@
-"""The ``elastic-train`` command."""
+"""The ``elastic-train`` command: run a job, inspect and verify its checkpoints."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-def main(argv: list[str] | None = None) -> int:
-    raise NotImplementedError
+from elastic_train import __version__
+from elastic_train.checkpoint.storage import CheckpointStore
+from elastic_train.errors import ElasticTrainError
+
+USAGE = """usage: elastic-train <command> [options]
+
+commands:
+  run [torchrun options] [job options]   run an elastic training job (default: 2 workers,
+                                         embedded c10d rendezvous); 'run --help' for more
+  checkpoints list RUN_DIR [--json]      every checkpoint: step, world size, time, size,
+                                         valid or not, and the model weights' sha256
+  checkpoints verify RUN_DIR             exit 1 if any checkpoint is corrupt
+  --version                              print the version
+"""
+
+
+def _checkpoint_rows(run_dir: Path) -> list[dict[str, Any]]:
+    store = CheckpointStore(run_dir / "checkpoints")
+    rows = []
+    for info in store.list():
+        verdict = store.verify(info)
+        rows.append({
+            "step": info.step,
+            "path": str(info.path),
+            "world_size": info.world_size,
+            "time": info.time,
+            "bytes": info.size_bytes,
+            "valid": verdict.valid,
+            "problem": verdict.problem,
+            "model_digest": info.model_digest,
+        })
+    return rows
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if not run_dir.is_dir():
+        raise ElasticTrainError(f"run directory {run_dir} does not exist: pass the --run-dir "
+                                "of a job")
+
+
+def checkpoints_list(run_dir: Path, as_json: bool) -> int:
+    _check_run_dir(run_dir)
+    rows = _checkpoint_rows(run_dir)
+    leftovers = [str(p) for p in CheckpointStore(run_dir / "checkpoints").leftovers()]
+    if as_json:
+        print(json.dumps({"run_dir": str(run_dir), "checkpoints": rows,
+                          "leftovers": leftovers}, indent=2))
+        return 0
+    if not rows:
+        print(f"no checkpoints under {run_dir / 'checkpoints'}")
+    else:
+        print(f"{'STEP':>8}  {'WORLD':>5}  {'TIME (UTC)':<19}  {'SIZE':>10}  {'VALID':<5}  "
+              "MODEL SHA256")
+        for r in rows:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])) \
+                if r["time"] else "-"
+            valid = "yes" if r["valid"] else "NO"
+            print(f"{r['step']:>8}  {r['world_size'] or '-':>5}  {when:<19}  "
+                  f"{_human_bytes(r['bytes']):>10}  {valid:<5}  {r['model_digest'] or '-'}")
+            if not r["valid"]:
+                print(f"{'':>8}  ^ {r['problem']}")
+    for path in leftovers:
+        print(f"leftover of an unfinished save (removed at the next start): {path}")
+    return 0
+
+
+def checkpoints_verify(run_dir: Path) -> int:
+    _check_run_dir(run_dir)
+    rows = _checkpoint_rows(run_dir)
+    bad = [r for r in rows if not r["valid"]]
+    for r in rows:
+        state = "ok" if r["valid"] else f"CORRUPT: {r['problem']}"
+        print(f"{r['path']}: {state}")
+    if not rows:
+        print(f"no checkpoints under {run_dir / 'checkpoints'}")
+    if bad:
+        print(f"{len(bad)} of {len(rows)} checkpoints are corrupt", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _checkpoints(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="elastic-train checkpoints", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="action", required=True)
+    p_list = sub.add_parser("list", help="list checkpoints with validity and digests")
+    p_list.add_argument("run_dir", type=Path)
+    p_list.add_argument("--json", action="store_true")
+    p_verify = sub.add_parser("verify", help="exit 1 if any checkpoint is corrupt")
+    p_verify.add_argument("run_dir", type=Path)
+    ns = parser.parse_args(list(argv))
+    if ns.action == "list":
+        return checkpoints_list(ns.run_dir, ns.json)
+    return checkpoints_verify(ns.run_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    try:
+        if command == "--version":
+            print(f"elastic-train {__version__}")
+            return 0
+        if command == "run":
+            from elastic_train.launch import main as launch_main
+
+            return launch_main(rest)
+        if command == "checkpoints":
+            return _checkpoints(rest)
+    except ElasticTrainError as exc:
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(f"elastic-train: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    return 2

@@ -1,0 +1,152 @@
+"""``elastic-train run``: torch's elastic agent in-process, with our defaults and a pre-flight.
+
+Launcher options are torchrun's (a subset with the same names); everything else is a job
+option for ``elastic_train.train``, checked here before any process starts so that bad input
+fails in a second with one line instead of after every restart is burnt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from elastic_train.checkpoint.storage import CheckpointStore, check_compatible, tensor_shapes
+from elastic_train.config import JobConfig, parse_job_args
+from elastic_train.env import apply_environment_defaults, launcher_environment_defaults
+from elastic_train.errors import ConfigError, ElasticTrainError
+from elastic_train.rundir import prepare_run_dir
+from elastic_train.tasks.base import TaskContext
+from elastic_train.tasks.loader import load_task
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = "elastic_train.train"
+
+
+def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
+    """torchrun-style options understood by ``elastic-train run``."""
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, add_help=False,
+                                description="Run an elastic training job (torchrun options + "
+                                            "job options; see --help-job for the latter).")
+    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("--help-job", action="store_true", help="show the job options")
+    p.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", default="2",
+                   help="workers per node (default 2)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d",
+                   help="c10d (default), etcd, etcd-v2, etcd-v3, or any registered backend")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
+                   help="HOST:PORT of the rendezvous (default: a free port on 127.0.0.1 for one "
+                        "node)")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="",
+                   help="job id shared by all nodes (default: random for one node)")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="KEY=VALUE,... for the backend")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
+                   help="worker group restarts before the job fails (default 3)")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
+                   help="seconds between the agent's checks of its workers (default 0.1)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    p.add_argument("--local-addr", "--local_addr", default=None)
+    p.add_argument("--log-dir", "--log_dir", default=None)
+    p.add_argument("--redirects", default="0")
+    p.add_argument("--tee", default="0")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    return p
+
+
+def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
+    """The torchrun command line equivalent to ``ns`` (without the program name)."""
+    single_node = ns.nnodes in ("1", "1:1")
+    endpoint = ns.rdzv_endpoint or ("127.0.0.1:0" if single_node else "")
+    if not endpoint:
+        raise ConfigError("--rdzv-endpoint is required with more than one node: give the "
+                          "HOST:PORT every node can reach")
+    if not ns.rdzv_id and not single_node:
+        raise ConfigError("--rdzv-id is required with more than one node: give every node the "
+                          "same job id")
+    argv = [
+        f"--nnodes={ns.nnodes}", f"--nproc-per-node={ns.nproc_per_node}",
+        f"--rdzv-backend={ns.rdzv_backend}", f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={ns.rdzv_id or uuid.uuid4().hex[:12]}",
+        f"--max-restarts={ns.max_restarts}", f"--monitor-interval={ns.monitor_interval}",
+        f"--node-rank={ns.node_rank}", f"--master-addr={ns.master_addr}",
+        f"--redirects={ns.redirects}", f"--tee={ns.tee}",
+    ]
+    if ns.rdzv_conf:
+        argv.append(f"--rdzv-conf={ns.rdzv_conf}")
+    if ns.local_addr:
+        argv.append(f"--local-addr={ns.local_addr}")
+    if ns.log_dir:
+        argv.append(f"--log-dir={ns.log_dir}")
+    return [*argv, "-m", WORKER_MODULE, *job_args]
+
+
+def preflight(config: JobConfig) -> None:
+    """Fail fast on what every worker would fail on: run dir, task, incompatible checkpoint."""
+    import torch
+
+    prepare_run_dir(config.run_dir)
+    task = load_task(config.train.task, TaskContext(config.train.task_options,
+                                                    config.train.seed, config.run_dir))
+    try:
+        with torch.device("meta"):
+            shapes = tensor_shapes(task.build_model().state_dict())
+    except Exception as exc:  # a model that cannot be built on meta: the workers will check
+        log.debug("skipping the checkpoint pre-check: %s", exc)
+        return
+    for info in CheckpointStore(Path(config.run_dir) / "checkpoints").list():
+        if info.manifest is not None:
+            check_compatible(info, shapes)
+            return
+
+
+def first_failure_line(exc: BaseException) -> str:
+    """One line naming the failed rank and its error, from torch's ChildFailedError."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message).strip().splitlines()[0] if str(message).strip() else ""
+    if not text or text.startswith("To enable traceback"):
+        text = f"exit code {failure.exitcode}"
+    return f"rank {rank} failed: {text}"
+
+
+def main(argv: Sequence[str]) -> int:
+    """Parse, pre-flight and launch; return the exit code."""
+    parser = launcher_parser()
+    ns, job_args = parser.parse_known_args(list(argv))
+    if ns.help or ns.help_job:
+        from elastic_train.config import job_parser
+
+        (job_parser("elastic-train run") if ns.help_job else parser).print_help()
+        return 0
+    try:
+        config = parse_job_args(job_args, prog="elastic-train run")
+        cmd = torchrun_argv(ns, job_args)
+        preflight(config)
+    except ElasticTrainError as exc:
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    apply_environment_defaults(launcher_environment_defaults())
+    try:
+        torchrun.run(torchrun.parse_args(cmd))
+    except ChildFailedError as exc:
+        print(f"elastic-train: job failed: {first_failure_line(exc)} (run dir {config.run_dir})",
+              file=sys.stderr)
+        return 1
+    except Exception as exc:  # rendezvous errors, ports in use, ...: one line, not a traceback
+        print(f"elastic-train: error: {type(exc).__name__}: {first_failure_line(exc)}",
+              file=sys.stderr)
+        return 1
+    return 0

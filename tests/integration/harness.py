@@ -1,0 +1,187 @@
+"""Real jobs for integration tests: start torchrun / elastic-train, watch events, kill workers.
+
+Every wait has a deadline; a job left running by a failed test is killed with its whole
+process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_train.events import EVENTS_FILE, read_events
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Job:
+    """A launched job: the agent process (leader of its own process group) and its run dir."""
+
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    log_path: Path
+    killed: list[tuple[int, int]] = field(default_factory=list)
+
+    def events(self) -> list[dict[str, Any]]:
+        return list(read_events(self.run_dir / EVENTS_FILE))
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_event(self, predicate: Callable[[dict[str, Any]], bool], timeout: float,
+                       poll: float = 0.005) -> dict[str, Any]:
+        """Return the first event matching ``predicate``; fail after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        path = self.run_dir / EVENTS_FILE
+        offset = 0
+        buffer = ""
+        while time.monotonic() < deadline:
+            if path.exists():
+                with open(path) as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                    offset = f.tell()
+                buffer += chunk
+                *lines, buffer = buffer.split("\n")
+                for line in lines:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if predicate(record):
+                        return record
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job exited ({self.proc.returncode}) before the awaited "
+                                     f"event; output:\n{self.output()[-3000:]}")
+            time.sleep(poll)
+        raise AssertionError(f"no awaited event within {timeout}s; output:\n"
+                             f"{self.output()[-3000:]}")
+
+    def worker_pids(self, timeout: float = 30.0) -> dict[int, int]:
+        """{rank: pid} of the agent's live worker processes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = workers_of(self.proc.pid)
+            if found:
+                return found
+            time.sleep(0.01)
+        raise AssertionError("no worker processes found")
+
+    def kill_worker(self, rank: int, sig: int = signal.SIGKILL) -> int:
+        pid = self.worker_pids()[rank]
+        os.kill(pid, sig)
+        self.killed.append((rank, pid))
+        return pid
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"job did not finish within {timeout}s; output:\n"
+                                 f"{self.output()[-3000:]}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def workers_of(agent_pid: int) -> dict[int, int]:
+    """Worker processes (children carrying RANK) of a torchrun agent."""
+    found = {}
+    for pid in _children(agent_pid):
+        env = _environ(pid)
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+            found[int(env["RANK"])] = pid
+    return found
+
+
+def start(argv: Sequence[str], run_dir: Path, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> Job:
+    """Start ``argv`` in its own process group, output to ``run_dir``/../<name>.log."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
+                                env=env or job_env(), cwd=cwd or run_dir.parent,
+                                start_new_session=True)
+    return Job(proc, run_dir, log_path)
+
+
+def torchrun(run_dir: Path, job_args: Sequence[str], nproc: int = 2, max_restarts: int = 3,
+             env: dict[str, str] | None = None, rdzv: Sequence[str] = ()) -> Job:
+    """``torchrun`` (c10d on a free loopback port, unless ``rdzv`` says otherwise)."""
+    rendezvous = list(rdzv) or ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *rendezvous,
+            "-m", "elastic_train.train", "--run-dir", str(run_dir), *job_args]
+    return start(argv, run_dir, env)
+
+
+def elastic_run(run_dir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> Job:
+    """``elastic-train run`` as a user types it."""
+    argv = [sys.executable, "-m", "elastic_train", "run", "--run-dir", str(run_dir), *args]
+    return start(argv, run_dir, env)
+
+
+def checkpoint_listing(run_dir: Path) -> list[dict[str, Any]]:
+    """``elastic-train checkpoints list --json`` of a run, newest first."""
+    out = subprocess.run([sys.executable, "-m", "elastic_train", "checkpoints", "list",
+                          str(run_dir), "--json"], capture_output=True, text=True, check=True,
+                         timeout=120, env=job_env())
+    return json.loads(out.stdout)["checkpoints"]
+
+
+def final_digest(run_dir: Path) -> str:
+    """The model digest of the newest checkpoint (the final one of a finished run)."""
+    rows = checkpoint_listing(run_dir)
+    assert rows and rows[0]["valid"], rows
+    return rows[0]["model_digest"]
