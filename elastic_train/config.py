@@ -20,11 +20,12 @@ import argparse
 import dataclasses
 import difflib
 import json
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from elastic_train.errors import ConfigError
 
@@ -37,7 +38,7 @@ class TrainConfig:
 
     task: str = "gpt"
     task_options: Mapping[str, OptionValue] = field(default_factory=dict)
-    steps: int = 300
+    steps: int = 500
     batch_size: int = 16
     micro_batch_size: int = 0
     lr: float = 3e-3
@@ -203,8 +204,13 @@ _FILE_TYPES: dict[str, tuple[type, ...]] = {
 def _check_file_types(section: str, values: Mapping[str, Any]) -> None:
     hints = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
     for key, value in values.items():
+        if key == "task_options" and isinstance(value, dict):
+            for name, option in value.items():
+                if not isinstance(option, (str, int, float, bool)):
+                    raise ConfigError(f"[{section}] task_options.{name} = {option!r} is "
+                                      "invalid: expected a string, number or boolean")
         allowed = _FILE_TYPES[str(hints[key])]
-        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
             raise ConfigError(f"[{section}] {key} = {value!r} is invalid: expected {hints[key]}")
 
 
@@ -287,6 +293,9 @@ def config_from_namespace(ns: argparse.Namespace) -> JobConfig:
         _check_file_types(name, values)
     top: dict[str, Any] = {}
     if "run_dir" in layered:
+        if not isinstance(layered["run_dir"], str) or not layered["run_dir"]:
+            raise ConfigError(f"run_dir = {layered['run_dir']!r} is invalid: expected a path "
+                              "string")
         top["run_dir"] = Path(layered["run_dir"])
     for opt in OPTIONS:
         key = f"{opt.section}.{opt.name}"

@@ -50,7 +50,7 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
 def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     """Read RANK, WORLD_SIZE, TORCHELASTIC_* and MASTER_* into a WorkerEnv."""
     env = os.environ if environ is None else environ
-    port = env.get("MASTER_PORT")
+    port = _int(env, "MASTER_PORT", 0)
     return WorkerEnv(
         rank=_int(env, "RANK", 0),
         local_rank=_int(env, "LOCAL_RANK", 0),
@@ -61,7 +61,7 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
         run_id=env.get("TORCHELASTIC_RUN_ID", "local") or "local",
         master_addr=env.get("MASTER_ADDR", "127.0.0.1") or "127.0.0.1",
-        master_port=int(port) if port else None,
+        master_port=port or None,
         use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         under_torchrun="TORCHELASTIC_RUN_ID" in env,
     )

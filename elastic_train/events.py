@@ -29,6 +29,8 @@ class EventLog:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
+            if _ends_torn(self.path):
+                self._file.write("\n")  # a crash tore the last line: start a fresh one
         record = {"time": round(time.time(), 6), "event": event, **fields}
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
@@ -37,6 +39,15 @@ class EventLog:
             self._file.flush()
             self._file.close()
             self._file = None
+
+
+def _ends_torn(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
 
 
 def read_events(path: Path) -> Iterator[dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import uuid
 from collections.abc import Sequence
@@ -121,6 +122,10 @@ def first_failure_line(exc: BaseException) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Parse, pre-flight and launch; return the exit code."""
+    # Workers run ``python -m elastic_train.train`` and so import tasks from the working
+    # directory; the pre-flight must see the same modules.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = launcher_parser()
     ns, job_args = parser.parse_known_args(list(argv))
     if ns.help or ns.help_job:

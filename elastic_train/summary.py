@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+LOSS_WINDOW = 10
+
 
 @dataclass(frozen=True)
 class RunSummary:
@@ -21,6 +23,7 @@ class RunSummary:
     restarts: int
     steps_redone: int
     world_sizes: tuple[int, ...]
+    loss_window: int = 10
 
     def lines(self) -> list[str]:
         loss = "n/a" if self.final_loss is None else f"{self.final_loss:.4f}"
@@ -28,7 +31,7 @@ class RunSummary:
         sizes = " -> ".join(str(w) for w in self.world_sizes) or "n/a"
         return [
             f"run {self.run_id}: {self.steps_done}/{self.total_steps} steps",
-            f"  final loss        {loss}{first}",
+            f"  final loss        {loss} (mean of the last {self.loss_window} steps){first}",
             f"  checkpoints       {self.checkpoints_written} written, "
             f"{self.checkpoints_skipped} skipped as corrupt",
             f"  restarts survived {self.restarts} ({self.steps_redone} steps redone)",
@@ -47,14 +50,21 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
     mine = [i for i in starts if records[i].get("run_id") == run_id]
     fresh = [i for i in mine if records[i].get("restart", 0) == 0]
     begin = fresh[-1] if fresh else mine[0]
-    segment = records[begin:]
+    end = next((i for i in range(begin + 1, len(records)) if records[i]["event"] == "start"
+                and (records[i].get("run_id") != run_id or records[i].get("restart", 0) == 0)),
+               len(records))
+    segment = records[begin:end]
     steps = [e for e in segment if e["event"] == "step"]
     seen: set[int] = set()
     redone = 0
+    effective: dict[int, float] = {}
     for e in steps:
         if e["step"] in seen:
             redone += 1
         seen.add(e["step"])
+        effective[e["step"]] = e["loss"]
+    losses = [effective[s] for s in sorted(effective) if effective[s] is not None]
+    tail = losses[-LOSS_WINDOW:]
     sizes: list[int] = []
     for e in segment:
         if e["event"] == "start" and (not sizes or sizes[-1] != e.get("world_size")):
@@ -64,12 +74,13 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
         run_id=run_id,
         steps_done=max(seen, default=0),
         total_steps=records[begin].get("total_steps"),
-        final_loss=steps[-1]["loss"] if steps else None,
+        final_loss=sum(tail) / len(tail) if tail else None,
         first_loss=steps[0]["loss"] if steps and steps[0]["step"] == 1 else None,
         checkpoints_written=sum(e["event"] == "checkpoint_saved" for e in segment),
         checkpoints_skipped=sum(e["event"] == "checkpoint_skipped" for e in segment),
         restarts=restarts,
         steps_redone=redone,
         world_sizes=tuple(sizes),
+        loss_window=len(tail) or LOSS_WINDOW,
     )
 

@@ -170,20 +170,21 @@ class Trainer:
             self.model,
             device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
         ddp.train()
-        window_start, window_steps = time.monotonic(), 0
+        window_start, window_losses = time.monotonic(), []
         while self.state.step < cfg.steps:
             began = time.monotonic()
             loss = self._step(ddp)
             step_seconds = time.monotonic() - began
-            window_steps += 1
+            window_losses.append(loss)
             self.events.emit("step", step=self.state.step, loss=round(loss, 6),
                              lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
                              world_size=self.group.world_size, samples=self.state.samples_seen,
                              seconds=round(step_seconds, 6), restart=self.env.restart_count)
             if self.state.step % cfg.log_every == 0 or self.state.step == cfg.steps:
                 elapsed = time.monotonic() - window_start
-                self._progress(loss, window_steps * cfg.batch_size / max(elapsed, 1e-9))
-                window_start, window_steps = time.monotonic(), 0
+                self._progress(sum(window_losses) / len(window_losses),
+                               len(window_losses) * cfg.batch_size / max(elapsed, 1e-9))
+                window_start, window_losses = time.monotonic(), []
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
                 self.checkpoints.save(self.state.step, self._stateful())
         self.checkpoints.save(self.state.step, self._stateful(), reason="final")
@@ -207,7 +208,7 @@ class Trainer:
     def _progress(self, loss: float, samples_per_second: float) -> None:
         if self.group.rank != 0:
             return
-        self._print(f"step {self.state.step}/{self.config.train.steps}  loss {loss:.4f}  "
+        self._print(f"step {self.state.step}/{self.config.train.steps}  loss {loss:.4f} (mean)  "
                     f"lr {self.scheduler.get_last_lr()[0]:.2e}  world {self.group.world_size}  "
                     f"{samples_per_second:.0f} samples/s")
 

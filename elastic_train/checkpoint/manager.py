@@ -90,17 +90,24 @@ class CheckpointManager:
             log.warning("removed %s, left by a save or deletion that did not finish", path)
             self.events.emit("checkpoint_leftover_removed", path=str(path))
         infos = self.store.list()
+        skipped: list[CheckpointInfo] = []
         for info in infos:
             verdict = self.store.verify(info)
             if not verdict.valid:
                 log.warning("skipping corrupt checkpoint %s: %s", info.path, verdict.problem)
                 self.events.emit("checkpoint_skipped", step=info.step, path=str(info.path),
                                  problem=verdict.problem)
+                skipped.append(info)
                 continue
             try:
                 check_compatible(info, shapes)
             except CheckpointMismatchError as exc:
                 return {"error": str(exc), "mismatch": True}
+            # Corrupt checkpoints newer than the one resumed would be redone and overwritten
+            # by retention's count; set them aside (kept, out of the way) instead.
+            for bad in skipped:
+                aside = self.store.set_aside(bad)
+                log.warning("set %s aside as %s", bad.path, aside.name)
             return {"step": info.step, "path": str(info.path), "world_size": info.world_size}
         if infos:
             return {"error": f"none of the {len(infos)} checkpoints under {self.store.root} "
@@ -197,6 +204,6 @@ class CheckpointManager:
             raise CheckpointError(
                 f"could not write checkpoint {step} under {self.store.root} ({exc.strerror or exc}"
                 "): free space or fix permissions; the previous checkpoints are intact") from exc
-        for path in self.store.apply_retention(self.policy.keep):
+        for path in self.store.apply_retention(self.policy.keep, newest=step):
             self.events.emit("checkpoint_deleted", path=str(path), reason="retention")
         return info

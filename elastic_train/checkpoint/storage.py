@@ -179,12 +179,12 @@ class CheckpointStore:
                 os.fsync(f.fileno())
             hook("payload-synced")
             manifest: dict[str, Any] = {
+                **meta,
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
                 "step": step,
                 "time": time.time(),
                 "files": {PAYLOAD: {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}},
-                **meta,
             }
             manifest["manifest_sha256"] = _manifest_checksum(manifest)
             with open(tmp / MANIFEST, "w") as f:
@@ -203,10 +203,24 @@ class CheckpointStore:
             raise
         return CheckpointInfo(final, step, manifest)
 
-    def _set_aside(self, path: Path) -> None:
+    def _set_aside(self, path: Path) -> Path:
         """Move an existing (necessarily invalid) checkpoint out of the way, keeping its bytes."""
         aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}-{secrets.token_hex(2)}")
         os.rename(path, aside)
+        return aside
+
+    def set_aside(self, info: CheckpointInfo) -> Path:
+        """Rename a corrupt checkpoint to ``step-N.corrupt-…``: out of every listing and of
+        retention's count, its bytes kept for inspection."""
+        aside = self._set_aside(info.path)
+        _fsync_dir(self.root)
+        return aside
+
+    def set_aside_dirs(self) -> list[Path]:
+        """Checkpoints set aside as corrupt."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if ".corrupt-" in p.name)
 
     # ---- reading -------------------------------------------------------------------------
     def _step_dirs(self) -> Iterator[tuple[int, Path]]:
@@ -271,11 +285,14 @@ class CheckpointStore:
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            refused = _refused_global(str(exc))
+            if refused is None:
+                raise CheckpointCorruptError(
+                    f"checkpoint {info.path} is not a readable torch payload; it was not "
+                    "loaded") from None
             raise UnsafeCheckpointError(
-                f"checkpoint {info.path} holds pickled objects that safe loading refuses to run "
-                f"({first[:160]}); it was not loaded — delete it if you did not write it"
-            ) from None
+                f"checkpoint {info.path} holds a pickled {refused} that safe loading refuses to "
+                "run; it was not loaded — delete it if you did not write it") from None
         except FileNotFoundError:
             raise CheckpointError(
                 f"checkpoint {info.path} is not readable on this host: put the run directory "
@@ -298,15 +315,17 @@ class CheckpointStore:
             shutil.rmtree(path, ignore_errors=True)
         return removed
 
-    def apply_retention(self, keep: int) -> list[Path]:
-        """Delete all but the newest ``keep`` complete checkpoints; return what was deleted.
+    def apply_retention(self, keep: int, newest: int) -> list[Path]:
+        """Keep the ``keep`` newest complete checkpoints up to step ``newest``; delete older.
 
-        Only checkpoints with a sound manifest count as kept, and the newest of them is
-        never deleted, so retention cannot leave a run without its last good checkpoint.
+        ``newest`` is the checkpoint just written (known good). Nothing at or above it is
+        touched, it always counts as kept, and checkpoints with a broken manifest neither
+        count nor get deleted: retention cannot leave a run without its last good one.
         """
         if keep < 1:
             raise ValueError("keep must be at least 1")
-        complete = [info for info in self.list() if info.manifest is not None]
+        complete = [info for info in self.list()
+                    if info.manifest is not None and info.step <= newest]
         deleted = []
         for info in complete[keep:]:
             trash = self.root / f".trash-{info.path.name}-{secrets.token_hex(4)}"
@@ -316,6 +335,15 @@ class CheckpointStore:
         if deleted:
             _fsync_dir(self.root)
         return deleted
+
+
+def _refused_global(message: str) -> str | None:
+    """The global that weights_only loading refused, if that is why it failed."""
+    match = re.search(r"unsupported GLOBAL ([\w.]+)", message)
+    if match:
+        return match.group(1)
+    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", message)
+    return match.group(1) if match else None
 
 
 def check_compatible(info: CheckpointInfo, expected_shapes: Mapping[str, list[Any]]) -> None:

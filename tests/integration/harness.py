@@ -185,3 +185,10 @@ def final_digest(run_dir: Path) -> str:
     rows = checkpoint_listing(run_dir)
     assert rows and rows[0]["valid"], rows
     return rows[0]["model_digest"]
+
+
+def digest_at(run_dir: Path, step: int) -> str:
+    """The model digest of the valid checkpoint of ``step``."""
+    rows = [r for r in checkpoint_listing(run_dir) if r["step"] == step and r["valid"]]
+    assert len(rows) == 1, checkpoint_listing(run_dir)
+    return rows[0]["model_digest"]

@@ -101,5 +101,21 @@ def test_sigkill_resume_is_bitwise_exact(case: str, reference: tuple[str, Path],
     assert "restarts survived 1" in job.output()
 
 
+def test_elastic_train_run_survives_a_kill_exactly(reference: tuple[str, Path],
+                                                   tmp_path: Path) -> None:
+    """The one-command launcher (fresh c10d store per round) resumes exactly too."""
+    run_dir = tmp_path / "run"
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "3"])
+    try:
+        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 15, timeout=TIMEOUT)
+        job.kill_worker(1)
+        assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    finally:
+        job.stop()
+    assert restarted_from(job) == [10]
+    assert harness.final_digest(run_dir) == reference[0]
+    assert "restarts survived 1 (5 steps redone)" in job.output()
+
+
 def test_reference_sees_each_sample_once_per_epoch(reference: tuple[str, Path]) -> None:
     assert_each_sample_once(reference[1])

@@ -1,0 +1,37 @@
+# The README's commands. Everything installs into .venv (torch 2.13.0 CPU first, so that no
+# dependency range pulls a CUDA build), then the project in editable mode.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test test-fast lint setup clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+## The main job: an elastic run of the built-in GPT on 2 local workers (c10d, no services).
+demo: setup
+	$(BIN)/elastic-train run --run-dir runs/demo $(ARGS)
+
+## Everything the tests need, then the whole suite (what CI runs).
+test: setup
+	bash scripts/install-test-deps.sh
+	$(BIN)/ruff check elastic_train tests examples
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Unit tests only (seconds).
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check elastic_train tests examples
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

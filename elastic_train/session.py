@@ -1,0 +1,168 @@
+"""Make an existing hand-written DDP loop fault-tolerant by changing a handful of lines.
+
+::
+
+    session = ElasticSession("runs/mine", checkpoint_every=50)   # was: init_process_group
+    loader = session.dataloader(dataset, batch_size=32)           # was: DistributedSampler
+    session.restore(model=model, optimizer=optimizer)             # was: barrier + torch.load
+    for epoch in session.epochs(EPOCHS):                          # was: range + set_epoch
+        for x, y in loader:
+            ...                                                   # the step, unchanged
+            session.step(loss)                                    # new: count, checkpoint
+    session.close()                                               # was: rank-0 torch.save
+
+The session uses the same checkpoint format, restore protocol, sampler and event log as the
+built-in trainer, so ``elastic-train checkpoints`` and reports work on its runs too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from elastic_train import distributed
+from elastic_train.checkpoint.manager import CheckpointManager, Stateful
+from elastic_train.checkpoint.storage import CheckpointStore
+from elastic_train.config import CheckpointConfig
+from elastic_train.env import WorkerEnv, read_worker_env
+from elastic_train.errors import ConfigError
+from elastic_train.events import EVENTS_FILE, EventLog
+from elastic_train.rundir import prepare_run_dir
+from elastic_train.sampler import ElasticBatchSampler
+from elastic_train.seeding import derive_seed
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+class ElasticSession:
+    """The process group, a resumable sampler and checkpoints for a hand-written loop."""
+
+    def __init__(self, run_dir: str | Path, *, checkpoint_every: int | None = 100,
+                 checkpoint_interval: float | None = None, keep_checkpoints: int = 3,
+                 seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
+                 env: WorkerEnv | None = None) -> None:
+        if checkpoint_every is not None and checkpoint_every <= 0:
+            raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
+                              "positive number of steps, or None")
+        self.env = env or read_worker_env()
+        self.run_dir = Path(run_dir)
+        self.seed = seed
+        if self.env.rank == 0:
+            prepare_run_dir(self.run_dir)
+        self.group = distributed.init_group(self.env, backend, timeout_seconds)
+        self.events = EventLog(self.run_dir / EVENTS_FILE, enabled=self.group.rank == 0)
+        policy = CheckpointConfig(checkpoint_every, checkpoint_interval, keep_checkpoints)
+        self.checkpoints = CheckpointManager(CheckpointStore(self.run_dir / "checkpoints"),
+                                             self.group, policy, self.events,
+                                             {"run_id": self.env.run_id})
+        self._counter = _Counter()
+        self._objects: dict[str, Stateful] = {}
+        self._sampler: ElasticBatchSampler | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps done so far (restored ones included)."""
+        return self._counter.step
+
+    def sampler(self, dataset: Sized, batch_size: int) -> ElasticBatchSampler:
+        """A DataLoader ``batch_sampler`` giving this rank ``batch_size`` samples per step.
+
+        Prefer ``dataloader()``. A DataLoader you build yourself must get its own
+        ``generator=``: otherwise it draws from torch's global generator whenever an epoch
+        starts, and a resumed run's dropout randomness shifts.
+        """
+        self._sampler = ElasticBatchSampler(len(dataset), batch_size * self.world_size,
+                                            self.rank, self.world_size, self.seed)
+        return self._sampler
+
+    def dataloader(self, dataset: Sized, batch_size: int, **kwargs: Any) -> DataLoader:
+        """A DataLoader over this rank's share of each step's batch, resumable mid-epoch.
+
+        ``kwargs`` go to ``DataLoader`` (``num_workers``, ``collate_fn``, ...). Randomness
+        inside the dataset should derive from the sample index to stay exact on resume.
+        """
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "dataloader"))
+        return DataLoader(dataset, batch_sampler=self.sampler(dataset, batch_size),
+                          generator=generator, **kwargs)
+
+    def restore(self, **objects: Stateful) -> int:
+        """Register what to checkpoint (``model=`` is required) and load the newest checkpoint.
+
+        Returns the step resumed at (0 for a fresh run). Every rank must call it.
+        """
+        if "model" not in objects:
+            raise ConfigError("restore() needs model=...: the model is what checkpoints hold")
+        self._objects = {**objects, "session": self._counter}
+        if self._sampler is not None:
+            self._objects["sampler"] = self._sampler
+        self.events.emit("start", run_id=self.env.run_id, restart=self.env.restart_count,
+                         world_size=self.world_size, total_steps=None, backend=self.group.backend)
+        restored = self.checkpoints.restore(self._objects)
+        torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
+        return 0 if restored is None else restored.step
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """Epoch numbers from the resumed one to ``count - 1``; positions the sampler."""
+        first = self._sampler.epoch if self._sampler is not None else 0
+        for epoch in range(first, count):
+            if self._sampler is not None:
+                self._sampler.set_epoch(epoch)
+            yield epoch
+
+    def step(self, loss: float | torch.Tensor | None = None) -> None:
+        """Call after each optimizer step: counts it, advances the sampler, checkpoints."""
+        if not self._objects:
+            raise ConfigError("call restore(model=..., optimizer=...) before the first step()")
+        self._counter.step += 1
+        if self._sampler is not None:
+            self._sampler.advance()
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        self.events.emit("step", step=self.step_count, loss=value, world_size=self.world_size,
+                         restart=self.env.restart_count)
+        if self.checkpoints.due(self.step_count):
+            self.checkpoints.save(self.step_count, self._objects)
+        torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
+
+    def close(self) -> None:
+        """Write the final checkpoint, wait for every rank, and leave the process group."""
+        if self._objects:
+            self.checkpoints.save(self.step_count, self._objects, reason="final")
+        distributed.barrier(self.group)
+        self.events.emit("end", step=self.step_count, run_id=self.env.run_id)
+        self.events.close()
+        distributed.destroy_group()
+
+    def __enter__(self) -> ElasticSession:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.events.close()
+            distributed.destroy_group()

@@ -1,0 +1,159 @@
+"""Bad input: one clear line, a non-zero exit, and existing checkpoints left intact."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--preset", "tiny", "--batch-size", "32", "--log-every", "10"]
+
+
+def elastic_train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elastic_train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120, env=harness.job_env())
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("elastic-train: error: "), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "code", "expected"), [
+    (["--stepz", "3"], 2, "unrecognized arguments: --stepz 3"),
+    (["--step", "3"], 2, "unrecognized arguments: --step 3"),
+    (["--steps", "0"], 2, "--steps 0 is invalid: it must be a positive number of steps"),
+    (["--steps", "-5"], 2, "--steps -5 is invalid"),
+    (["--checkpoint-every", "0"], 2, "--checkpoint-every 0 is invalid: it must be a positive"),
+    (["--checkpoint-interval", "-1"], 2, "--checkpoint-interval -1.0 is invalid"),
+    (["--corpus", "/nonexistent/corpus"], 2, "corpus path /nonexistent/corpus does not exist: "
+     "pass --task-opt corpus=PATH"),
+    (["--task", "no_such_module:make"], 2, "--task 'no_such_module:make' cannot be imported"),
+    (["--task-opt", "n_layerz=3"], 2, "unknown task option 'n_layerz'"),
+])
+def test_bad_job_option_fails_fast_with_one_line(args: list[str], code: int, expected: str,
+                                                 tmp_path: Path) -> None:
+    result = elastic_train("run", "--run-dir", str(tmp_path / "run"), *args, cwd=tmp_path)
+    assert result.returncode == code
+    assert expected in one_error_line(result)
+
+
+def test_unknown_config_file_key(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text("[train]\nstpes = 10\n")
+    result = elastic_train("run", "--config", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "unknown config key in [train] 'stpes' (did you mean 'steps'?)" in \
+        one_error_line(result)
+
+
+def test_unwritable_run_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = elastic_train("run", "--run-dir", str(blocker / "run"), *TINY, cwd=tmp_path)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert f"run directory {blocker / 'run'} is not writable" in line
+    assert "choose another --run-dir" in line
+
+
+def test_worker_rejects_bad_option_under_torchrun(tmp_path: Path) -> None:
+    job = harness.torchrun(tmp_path / "run", ["--steps", "0"], max_restarts=0)
+    assert job.wait(120) != 0
+    assert "elastic_train: error: --steps 0 is invalid" in job.output()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny 2-worker run with checkpoints at 10, 20, 30."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    job = harness.torchrun(run_dir, [*TINY, "--steps", "30", "--checkpoint-every", "10"],
+                           max_restarts=0)
+    assert job.wait(180) == 0, job.output()[-3000:]
+    return run_dir
+
+
+def test_checkpoint_of_another_model_is_refused_and_kept(finished_run: Path,
+                                                         tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    before = tree_digest(run_dir / "checkpoints")
+    # The launcher's pre-flight refuses in a second, naming the tensor.
+    result = elastic_train("run", "--run-dir", str(run_dir), "--preset", "small",
+                           "--steps", "40", cwd=tmp_path)
+    assert result.returncode == 3
+    line = one_error_line(result)
+    assert "step-00000030 is for another model: tensor 'tok_emb.weight' is " \
+           "torch.float32[256, 64] there and torch.float32[256, 128] here" in line
+    assert "left untouched" in line
+    # The worker refuses too (plain torchrun, no pre-flight), and every rank exits.
+    job = harness.torchrun(run_dir, ["--preset", "small", "--steps", "40"], max_restarts=0)
+    assert job.wait(180) != 0
+    assert "is for another model: tensor 'tok_emb.weight'" in job.output()
+    assert tree_digest(run_dir / "checkpoints") == before
+
+
+def test_corrupt_and_torn_checkpoints_are_skipped(finished_run: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    ckpts = run_dir / "checkpoints"
+    final_digest = harness.final_digest(run_dir)
+    # Bit rot in the newest checkpoint: same size, one byte flipped.
+    payload = ckpts / "step-00000030" / "state.pt"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    payload.write_bytes(bytes(data))
+    # Leftovers of saves torn by a crash: a temp dir, and a step dir with no manifest.
+    shutil.copytree(ckpts / "step-00000020", ckpts / ".tmp-step-00000040-999-dead")
+    (ckpts / ".tmp-step-00000040-999-dead" / "manifest.json").unlink()
+    shutil.copytree(ckpts / "step-00000020", ckpts / "step-00000035")
+    (ckpts / "step-00000035" / "manifest.json").unlink()
+    verify = elastic_train("checkpoints", "verify", str(run_dir), cwd=tmp_path)
+    assert verify.returncode == 1
+    assert "step-00000030: CORRUPT: state.pt fails its sha256 checksum" in verify.stdout
+    assert "step-00000035: CORRUPT: manifest.json is missing" in verify.stdout
+
+    job = harness.torchrun(run_dir, [*TINY, "--steps", "30", "--checkpoint-every", "10"],
+                           max_restarts=0)
+    assert job.wait(180) == 0, job.output()[-3000:]
+    out = job.output()
+    assert "skipping corrupt checkpoint" in out and "step-00000035" in out
+    assert "step-00000030: state.pt fails its sha256 checksum" in out
+    events = job.events()
+    skipped = [e["step"] for e in events if e["event"] == "checkpoint_skipped"]
+    assert skipped == [35, 30]
+    assert [e["step"] for e in events if e["event"] == "checkpoint_loaded"] == [20]
+    assert not (ckpts / ".tmp-step-00000040-999-dead").exists()
+    # Redone from step 20, the run ends exactly where the uncorrupted one did.
+    assert harness.digest_at(run_dir, 30) == final_digest
+    # The corrupt bytes were set aside, not deleted.
+    assert list(ckpts.glob("step-00000030.corrupt-*"))
+
+
+def test_all_checkpoints_corrupt_stops_instead_of_starting_over(finished_run: Path,
+                                                                tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    for payload in (run_dir / "checkpoints").glob("step-*/state.pt"):
+        payload.write_bytes(payload.read_bytes()[:-10])
+    before = tree_digest(run_dir / "checkpoints")
+    job = harness.torchrun(run_dir, [*TINY, "--steps", "30"], max_restarts=0)
+    assert job.wait(180) != 0
+    assert "none of the 3 checkpoints under" in job.output()
+    assert "nothing was deleted" in job.output()
+    assert tree_digest(run_dir / "checkpoints") == before

@@ -1,0 +1,58 @@
+"""Checkpoint policy in a real (single-process) run: time interval, retention, re-run."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_train.events import read_events
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+
+def train(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_train.train", "--run-dir", str(run_dir),
+         "--preset", "tiny", "--batch-size", "16", *args],
+        capture_output=True, text=True, timeout=180, env=harness.job_env())
+
+
+def test_time_interval_and_retention(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = train(run_dir, "--steps", "60", "--checkpoint-every", "off",
+                   "--checkpoint-interval", "0.25", "--keep-checkpoints", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = [e for e in read_events(run_dir / "events.jsonl")
+             if e["event"] == "checkpoint_saved"]
+    periodic = [e for e in saved if e["reason"] == "periodic"]
+    assert len(periodic) >= 2, saved
+    assert saved[-1]["reason"] == "final" and saved[-1]["step"] == 60
+    # Each periodic save came at least the interval after the previous save ended.
+    for before, after in itertools.pairwise(saved):
+        if after["reason"] == "periodic":
+            assert after["time"] - before["time"] >= 0.25 - after["snapshot_seconds"] \
+                - after["persist_seconds"]
+    steps_on_disk = sorted(int(p.name.split("-")[1])
+                           for p in (run_dir / "checkpoints").glob("step-*"))
+    assert steps_on_disk == sorted(e["step"] for e in saved)[-2:]
+    deleted = [e for e in read_events(run_dir / "events.jsonl")
+               if e["event"] == "checkpoint_deleted"]
+    assert len(deleted) == len(saved) - 2
+
+
+def test_rerunning_a_finished_run_trains_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert train(run_dir, "--steps", "20", "--checkpoint-every", "10").returncode == 0
+    before = harness.final_digest(run_dir)
+    again = train(run_dir, "--steps", "20", "--checkpoint-every", "10")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "(step 20," in again.stdout
+    events = list(read_events(run_dir / "events.jsonl"))
+    last_start = max(i for i, e in enumerate(events) if e["event"] == "start")
+    assert not [e for e in events[last_start:] if e["event"] in ("step", "checkpoint_saved")]
+    assert harness.final_digest(run_dir) == before

@@ -1,0 +1,129 @@
+"""The README's commands run as written, and the examples do what the README says."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+README = harness.REPO / "README.md"
+TIMEOUT = 240
+
+
+def readme_commands() -> list[str]:
+    """Every ``$ command`` line of the README's console blocks."""
+    return re.findall(r"^\$ (.+)$", README.read_text(), flags=re.M)
+
+
+def run_readme_command(command: str, cwd: Path, extra: list[str] = ()) -> harness.Job:
+    """Start a README command in ``cwd`` (the console scripts resolved to this Python)."""
+    assert command in readme_commands(), f"not in the README: {command}"
+    argv = shlex.split(command) + list(extra)
+    if argv[0] == "elastic-train":
+        argv = [sys.executable, "-m", "elastic_train", *argv[1:]]
+    elif argv[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    run_dir = cwd / "runs" / "job"
+    return harness.start(argv, run_dir, cwd=cwd)
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A working directory holding the examples, as a user's checkout does."""
+    shutil.copytree(harness.REPO / "examples", tmp_path / "examples")
+    return tmp_path
+
+
+def test_readme_names_the_ci_and_demo_commands() -> None:
+    commands = readme_commands()
+    assert commands[:2] == ["make demo", "make test"]
+    assert "make test" in (harness.REPO / ".ci" / "run").read_text()
+    makefile = (harness.REPO / "Makefile").read_text()
+    assert "$(BIN)/elastic-train run --run-dir runs/demo $(ARGS)" in makefile
+
+
+def test_demo_command_trains_and_summarises(workdir: Path) -> None:
+    # `make demo` runs this command; fewer steps keep the suite fast.
+    job = run_readme_command("elastic-train run --run-dir runs/demo --steps 200 --preset small",
+                             workdir, ["--steps", "40", "--checkpoint-every", "20"])
+    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    out = job.output()
+    assert "run " in out and ": 40/40 steps" in out
+    assert "checkpoints       2 written, 0 skipped as corrupt" in out
+    assert "restarts survived 0 (0 steps redone)" in out
+    listing = subprocess.run(
+        [sys.executable, "-m", "elastic_train", "checkpoints", "list", "runs/demo"],
+        cwd=workdir, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "MODEL SHA256" in listing and "      40      2" in listing
+    assert "elastic-train checkpoints list runs/demo" in readme_commands()
+    assert "elastic-train checkpoints verify runs/demo" in readme_commands()
+    verify = subprocess.run(
+        [sys.executable, "-m", "elastic_train", "checkpoints", "verify", "runs/demo"],
+        cwd=workdir, capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_plain_torchrun_command(workdir: Path) -> None:
+    command = next(c for c in readme_commands() if c.startswith("torchrun") and "-m " in c)
+    job = run_readme_command(command, workdir, ["--steps", "20", "--preset", "tiny"])
+    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    assert ": 20/20 steps" in job.output()
+    assert (workdir / "runs" / "torchrun" / "checkpoints" / "step-00000020").is_dir()
+
+
+def test_custom_task_example(workdir: Path) -> None:
+    command = next(c for c in readme_commands() if "examples.custom_task:make_task" in c)
+    job = run_readme_command(command, workdir)
+    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    events = harness.Job(job.proc, workdir / "runs" / "custom", job.log_path).events()
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    assert len(losses) == 200
+    assert sum(losses[-10:]) / 10 < 0.05 * losses[0]  # it learns
+
+
+def test_handwritten_loop_before_runs(workdir: Path) -> None:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+            "examples/ddp_tutorial.py"]
+    job = harness.start(argv, workdir / "runs" / "before", cwd=workdir)
+    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    assert "epoch 3 loss" in job.output()
+    assert (workdir / "runs" / "tutorial-before.pt").is_file()
+
+
+def tutorial_command() -> list[str]:
+    command = next(c for c in readme_commands() if "ddp_tutorial_elastic.py" in c)
+    argv = shlex.split(command)
+    assert argv[0] == "torchrun"
+    return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+
+
+def test_handwritten_loop_made_elastic_resumes_exactly(workdir: Path) -> None:
+    argv = tutorial_command()
+    assert argv[-1] == "runs/tutorial"
+    reference = harness.start([*argv[:-1], "runs/reference"], workdir / "runs" / "reference",
+                              cwd=workdir)
+    assert reference.wait(TIMEOUT) == 0, reference.output()[-3000:]
+
+    job = harness.start(argv, workdir / "runs" / "tutorial", cwd=workdir)
+    try:
+        # The toy steps take milliseconds: the kill lands a few steps after step 30, well
+        # before the end (128 steps), mid-epoch (64 steps per epoch).
+        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 30, timeout=TIMEOUT)
+        job.kill_worker(1)
+        assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    finally:
+        job.stop()
+    loaded = [e["step"] for e in job.events() if e["event"] == "checkpoint_loaded"]
+    assert len(loaded) == 1 and loaded[0] in (20, 40, 60, 80, 100, 120), loaded
+    assert harness.digest_at(workdir / "runs" / "tutorial", 128) == \
+        harness.digest_at(workdir / "runs" / "reference", 128)
