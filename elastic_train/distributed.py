@@ -122,7 +122,7 @@ def broadcast_json(group: Group, value: Any, src: int = 0) -> Any:
     else:
         buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=group.device)
     dist.broadcast(buffer, src)
-    return json.loads(bytes(buffer.cpu().numpy()).decode())
+    return json.loads(bytes(buffer.cpu().tolist()).decode())
 
 
 def all_true(group: Group, flag: bool) -> bool:

@@ -9,6 +9,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from elastic_train.config import parse_job_args
 from elastic_train.distributed import destroy_group, init_group
 from elastic_train.env import read_worker_env
@@ -38,8 +40,13 @@ def _record_for_agent(exc: BaseException) -> None:
         pass
 
 
+@record
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one worker; return its exit code (0 done, non-zero failed)."""
+    """Run one worker; return its exit code (0 done, non-zero failed).
+
+    Our own errors become one line and an exit code; anything unexpected is recorded by
+    torchelastic's ``@record`` so that the agent (and ``elastic-train run``) can name it.
+    """
     env = read_worker_env()
     _setup_logging(env.rank)
     try:

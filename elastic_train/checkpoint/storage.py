@@ -17,6 +17,7 @@ whose names no reader takes for a checkpoint). Nothing here does collective call
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -117,9 +118,17 @@ def model_digest(model_state: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(model_state):
         tensor = model_state[name].detach().to("cpu").contiguous()
         digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
-        if tensor.numel():
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        for chunk in _tensor_bytes(tensor):
+            digest.update(chunk)
     return digest.hexdigest()
+
+
+def _tensor_bytes(tensor: torch.Tensor, chunk: int = _HASH_CHUNK) -> Iterator[bytes]:
+    """The raw bytes of a contiguous CPU tensor, in chunks (no numpy needed)."""
+    total = tensor.numel() * tensor.element_size()
+    base = tensor.data_ptr()
+    for offset in range(0, total, chunk):
+        yield ctypes.string_at(base + offset, min(chunk, total - offset))
 
 
 def tensor_shapes(model_state: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
