@@ -46,6 +46,15 @@ class Job:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def report(self) -> str:
+        """The tail of the output for an assertion message, naming known crash kinds."""
+        out = self.output()
+        note = ""
+        if "terminate called without an active exception" in out:
+            note = ("NOTE: a worker aborted at exit (SIGABRT, 'terminate called without an "
+                    "active exception'): a shutdown-order crash, not a training-logic failure\n")
+        return note + out[-3000:]
+
     def wait_for_event(self, predicate: Callable[[dict[str, Any]], bool], timeout: float,
                        poll: float = 0.005) -> dict[str, Any]:
         """Return the first event matching ``predicate``; fail after ``timeout`` seconds."""
@@ -70,10 +79,10 @@ class Job:
                         return record
             if self.proc.poll() is not None:
                 raise AssertionError(f"job exited ({self.proc.returncode}) before the awaited "
-                                     f"event; output:\n{self.output()[-3000:]}")
+                                     f"event; output:\n{self.report()}")
             time.sleep(poll)
         raise AssertionError(f"no awaited event within {timeout}s; output:\n"
-                             f"{self.output()[-3000:]}")
+                             f"{self.report()}")
 
     def worker_pids(self, timeout: float = 30.0) -> dict[int, int]:
         """{rank: pid} of the agent's live worker processes."""
@@ -97,15 +106,23 @@ class Job:
         except subprocess.TimeoutExpired:
             self.stop()
             raise AssertionError(f"job did not finish within {timeout}s; output:\n"
-                                 f"{self.output()[-3000:]}") from None
+                                 f"{self.report()}") from None
 
     def stop(self) -> None:
+        """Kill the agent and its workers (torchrun starts each worker in its own session)."""
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for pid in workers_of(self.proc.pid).values():
+                _kill_group(pid)
+            _kill_group(self.proc.pid)
             self.proc.wait(timeout=30)
+
+
+def _kill_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _children(pid: int) -> list[int]:

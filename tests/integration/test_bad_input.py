@@ -84,7 +84,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     job = harness.torchrun(run_dir, [*TINY, "--steps", "30", "--checkpoint-every", "10"],
                            max_restarts=0)
-    assert job.wait(180) == 0, job.output()[-3000:]
+    assert job.wait(180) == 0, job.report()
     return run_dir
 
 
@@ -130,7 +130,7 @@ def test_corrupt_and_torn_checkpoints_are_skipped(finished_run: Path, tmp_path: 
 
     job = harness.torchrun(run_dir, [*TINY, "--steps", "30", "--checkpoint-every", "10"],
                            max_restarts=0)
-    assert job.wait(180) == 0, job.output()[-3000:]
+    assert job.wait(180) == 0, job.report()
     out = job.output()
     assert "skipping corrupt checkpoint" in out and "step-00000035" in out
     assert "step-00000030: state.pt fails its sha256 checksum" in out

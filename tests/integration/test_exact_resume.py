@@ -31,7 +31,7 @@ TIMEOUT = 180
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     job = harness.torchrun(run_dir, JOB, max_restarts=0)
-    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    assert job.wait(TIMEOUT) == 0, job.report()
     return harness.final_digest(run_dir), run_dir
 
 
@@ -85,10 +85,10 @@ def test_sigkill_resume_is_bitwise_exact(case: str, reference: tuple[str, Path],
     try:
         job.wait_for_event(when, timeout=TIMEOUT)
         job.kill_worker(rank)
-        assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+        assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
-    assert restarted_from(job) == [resume_step], job.output()[-3000:]
+    assert restarted_from(job) == [resume_step], job.report()
     starts = [e for e in job.events() if e["event"] == "start"]
     assert [s["restart"] for s in starts] == [0, 1]
     ref_digest, ref_dir = reference
@@ -109,7 +109,7 @@ def test_elastic_train_run_survives_a_kill_exactly(reference: tuple[str, Path],
     try:
         job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 15, timeout=TIMEOUT)
         job.kill_worker(1)
-        assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+        assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
     assert restarted_from(job) == [10]

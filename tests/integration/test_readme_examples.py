@@ -55,7 +55,7 @@ def test_demo_command_trains_and_summarises(workdir: Path) -> None:
     # `make demo` runs this command; fewer steps keep the suite fast.
     job = run_readme_command("elastic-train run --run-dir runs/demo --steps 200 --preset small",
                              workdir, ["--steps", "40", "--checkpoint-every", "20"])
-    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    assert job.wait(TIMEOUT) == 0, job.report()
     out = job.output()
     assert "run " in out and ": 40/40 steps" in out
     assert "checkpoints       2 written, 0 skipped as corrupt" in out
@@ -75,7 +75,7 @@ def test_demo_command_trains_and_summarises(workdir: Path) -> None:
 def test_plain_torchrun_command(workdir: Path) -> None:
     command = next(c for c in readme_commands() if c.startswith("torchrun") and "-m " in c)
     job = run_readme_command(command, workdir, ["--steps", "20", "--preset", "tiny"])
-    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    assert job.wait(TIMEOUT) == 0, job.report()
     assert ": 20/20 steps" in job.output()
     assert (workdir / "runs" / "torchrun" / "checkpoints" / "step-00000020").is_dir()
 
@@ -83,7 +83,7 @@ def test_plain_torchrun_command(workdir: Path) -> None:
 def test_custom_task_example(workdir: Path) -> None:
     command = next(c for c in readme_commands() if "examples.custom_task:make_task" in c)
     job = run_readme_command(command, workdir)
-    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    assert job.wait(TIMEOUT) == 0, job.report()
     events = harness.Job(job.proc, workdir / "runs" / "custom", job.log_path).events()
     losses = [e["loss"] for e in events if e["event"] == "step"]
     assert len(losses) == 200
@@ -95,7 +95,7 @@ def test_handwritten_loop_before_runs(workdir: Path) -> None:
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
             "examples/ddp_tutorial.py"]
     job = harness.start(argv, workdir / "runs" / "before", cwd=workdir)
-    assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+    assert job.wait(TIMEOUT) == 0, job.report()
     assert "epoch 3 loss" in job.output()
     assert (workdir / "runs" / "tutorial-before.pt").is_file()
 
@@ -112,7 +112,7 @@ def test_handwritten_loop_made_elastic_resumes_exactly(workdir: Path) -> None:
     assert argv[-1] == "runs/tutorial"
     reference = harness.start([*argv[:-1], "runs/reference"], workdir / "runs" / "reference",
                               cwd=workdir)
-    assert reference.wait(TIMEOUT) == 0, reference.output()[-3000:]
+    assert reference.wait(TIMEOUT) == 0, reference.report()
 
     job = harness.start(argv, workdir / "runs" / "tutorial", cwd=workdir)
     try:
@@ -120,7 +120,7 @@ def test_handwritten_loop_made_elastic_resumes_exactly(workdir: Path) -> None:
         # before the end (128 steps), mid-epoch (64 steps per epoch).
         job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 30, timeout=TIMEOUT)
         job.kill_worker(1)
-        assert job.wait(TIMEOUT) == 0, job.output()[-3000:]
+        assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
     loaded = [e["step"] for e in job.events() if e["event"] == "checkpoint_loaded"]
