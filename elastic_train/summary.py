@@ -27,11 +27,11 @@ class RunSummary:
 
     def lines(self) -> list[str]:
         loss = "n/a" if self.final_loss is None else f"{self.final_loss:.4f}"
-        first = "" if self.first_loss is None else f" (first step: {self.first_loss:.4f})"
+        first = "" if self.first_loss is None else f"; first step {self.first_loss:.4f}"
         sizes = " -> ".join(str(w) for w in self.world_sizes) or "n/a"
         return [
             f"run {self.run_id}: {self.steps_done}/{self.total_steps} steps",
-            f"  final loss        {loss} (mean of the last {self.loss_window} steps){first}",
+            f"  final loss        {loss} (mean of the last {self.loss_window} steps{first})",
             f"  checkpoints       {self.checkpoints_written} written, "
             f"{self.checkpoints_skipped} skipped as corrupt",
             f"  restarts survived {self.restarts} ({self.steps_redone} steps redone)",

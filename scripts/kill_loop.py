@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.integration import harness  # noqa: E402
+from tests.integration import harness
 
 
 def main() -> int:

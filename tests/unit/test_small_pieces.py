@@ -286,7 +286,7 @@ def test_summary_of_a_run_with_a_restart() -> None:
     assert summary.world_sizes == (4, 2)
     lines = summary.lines()
     assert lines[0] == "run run-1: 40/40 steps"
-    assert "4.6450 (mean of the last 10 steps) (first step: 9.9000)" in lines[1]
+    assert "4.6450 (mean of the last 10 steps; first step 9.9000)" in lines[1]
     assert "5 written, 1 skipped as corrupt" in lines[2]
     assert "1 (10 steps redone)" in lines[3]
     assert lines[4].endswith("4 -> 2")
