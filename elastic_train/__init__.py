@@ -11,6 +11,7 @@ from elastic_train.errors import (
     ConfigError,
     DistributedError,
     ElasticTrainError,
+    MetricsError,
     TaskError,
     UnsafeCheckpointError,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "ConfigError",
     "DistributedError",
     "ElasticTrainError",
+    "MetricsError",
     "Task",
     "TaskContext",
     "TaskError",

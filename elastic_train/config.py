@@ -9,6 +9,8 @@ The file has one table per section, with the same field names as the dataclasses
     task_options = { preset = "small" }
     [checkpoint]
     every_steps = 50
+    [metrics]
+    port = 9450
 
 Every file field has a command-line option (the table in ``OPTIONS``), so the command line
 can override anything the file sets.
@@ -68,6 +70,15 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Where each worker serves Prometheus metrics (``port + local rank``; port 0: off)."""
+
+    port: int = 9450
+    address: str = "0.0.0.0"
+    linger_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """A whole job: where it writes and its sections."""
 
@@ -75,6 +86,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict in the config file's layout."""
@@ -90,6 +102,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "distributed": DistributedConfig,
+    "metrics": MetricsConfig,
 }
 
 
@@ -154,6 +167,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("--backend", "distributed", "backend", "auto (gloo on CPU, nccl on CUDA), gloo, nccl"),
     Option("--collective-timeout", "distributed", "timeout_seconds",
            "seconds before a stuck collective fails the worker", float),
+    Option("--metrics-port", "metrics", "port",
+           "base port of the Prometheus /metrics endpoints: each worker serves PORT + its "
+           "local rank (0: no metrics)", int, "PORT"),
+    Option("--metrics-address", "metrics", "address",
+           "address the /metrics endpoints bind (0.0.0.0: every interface)", str, "ADDR"),
+    Option("--metrics-linger", "metrics", "linger_seconds",
+           "after the run, wait up to this many seconds for one more scrape so the final "
+           "values reach Prometheus (0: exit at once)", float, "SECONDS"),
 )
 
 
@@ -221,7 +242,7 @@ def _check(condition: bool, flag: str, value: Any, requirement: str) -> None:
 
 def validate(config: JobConfig) -> JobConfig:
     """Reject values that cannot work, naming the option and what it must be."""
-    t, c, d = config.train, config.checkpoint, config.distributed
+    t, c, d, m = config.train, config.checkpoint, config.distributed, config.metrics
     _check(bool(t.task), "--task", repr(t.task), "a built-in name or package.module:factory")
     _check(t.steps > 0, "--steps", t.steps, "a positive number of steps")
     _check(t.batch_size > 0, "--batch-size", t.batch_size, "a positive number of samples")
@@ -240,6 +261,10 @@ def validate(config: JobConfig) -> JobConfig:
     _check(d.backend in ("auto", "gloo", "nccl"), "--backend", d.backend,
            "'auto', 'gloo' or 'nccl'")
     _check(d.timeout_seconds > 0, "--collective-timeout", d.timeout_seconds, "positive")
+    _check(0 <= m.port <= 65535, "--metrics-port", m.port, "a TCP port (0 turns metrics off)")
+    _check(bool(m.address.strip()), "--metrics-address", repr(m.address),
+           "an address to bind, e.g. 0.0.0.0 or 127.0.0.1")
+    _check(m.linger_seconds >= 0, "--metrics-linger", m.linger_seconds, ">= 0")
     return config
 
 

@@ -26,6 +26,7 @@ class WorkerEnv:
     master_port: int | None = None
     use_agent_store: bool = False
     under_torchrun: bool = False
+    prometheus_multiproc_dir: str | None = None
 
     @property
     def is_rank0(self) -> bool:
@@ -64,6 +65,10 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         master_port=port or None,
         use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         under_torchrun="TORCHELASTIC_RUN_ID" in env,
+        # prometheus-client switches to multiprocess mode when either spelling is present,
+        # even empty; None means absent.
+        prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR",
+                                         env.get("prometheus_multiproc_dir")),
     )
 
 

@@ -45,5 +45,11 @@ class UnsafeCheckpointError(CheckpointError):
     exit_code = 3
 
 
+class MetricsError(ElasticTrainError):
+    """The metrics endpoint cannot be served (port in use, unsupported exporter mode)."""
+
+    exit_code = 2
+
+
 class DistributedError(ElasticTrainError):
     """The process group cannot be formed or a collective timed out."""

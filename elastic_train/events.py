@@ -2,37 +2,52 @@
 
 Lines are appended and flushed as they happen; a crash can tear at most the last line,
 which readers skip. Reports and the end-of-run summary are drawn from this file alone.
+Observers (the worker's metrics, rank 0's progress display) see every record as it is made,
+on every rank, whether or not this rank writes the file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 EVENTS_FILE = "events.jsonl"
 
+EventObserver = Callable[[Mapping[str, Any]], None]
+"""Called with every record (``time``, ``event`` and its fields) right after it is made."""
+
 
 class EventLog:
-    """Appends events to ``<run_dir>/events.jsonl``; a disabled log (ranks > 0) drops them."""
+    """Appends events to ``<run_dir>/events.jsonl``; a disabled log (ranks > 0) drops them.
 
-    def __init__(self, path: Path, enabled: bool = True) -> None:
+    ``observers`` are called with every record, also when the log is disabled.
+    """
+
+    def __init__(self, path: Path, enabled: bool = True,
+                 observers: Sequence[EventObserver] = ()) -> None:
         self.path = Path(path)
         self.enabled = enabled
+        self.observers = tuple(observers)
         self._file: TextIO | None = None
 
     def emit(self, event: str, **fields: Any) -> None:
-        if not self.enabled:
+        if not self.enabled and not self.observers:
             return
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
-            if _ends_torn(self.path):
-                self._file.write("\n")  # a crash tore the last line: start a fresh one
         record = {"time": round(time.time(), 6), "event": event, **fields}
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        if self.enabled:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", buffering=1)
+                if _ends_torn(self.path):
+                    self._file.write("\n")  # a crash tore the last line: start a fresh one
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        for observer in self.observers:
+            observer(record)
 
     def close(self) -> None:
         if self._file is not None:
@@ -63,3 +78,50 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
                     yield record
     except FileNotFoundError:
         return
+
+
+@dataclass(frozen=True)
+class LastIncarnation:
+    """What the log says about the incarnations before a restart."""
+
+    time: float
+    """Time of the newest event: the failed incarnation's last sign of life."""
+    step: int | None
+    """The newest step logged since the launch began (None: no step yet)."""
+
+
+def last_incarnation(path: Path, max_bytes: int = 1 << 20) -> LastIncarnation | None:
+    """Read the log's tail (at most ``max_bytes``) for the newest event and step of the launch.
+
+    The step search stops at the launch's first ``start`` (restart 0), so a step of an
+    earlier launch of the same run directory never counts. None if the log is empty.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    lines = data.split(b"\n")
+    if start > 0:
+        lines = lines[1:]  # the first line may begin before the window
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "event" in record and "time" in record:
+            records.append(record)
+    if not records:
+        return None
+    step = None
+    for record in reversed(records):
+        if record["event"] == "step":
+            step = int(record["step"])
+            break
+        if record["event"] == "start" and record.get("restart", 0) == 0:
+            break
+    return LastIncarnation(float(records[-1]["time"]), step)

@@ -17,8 +17,14 @@ from pathlib import Path
 
 from elastic_train.checkpoint.storage import CheckpointStore, check_compatible, tensor_shapes
 from elastic_train.config import JobConfig, parse_job_args
-from elastic_train.env import apply_environment_defaults, launcher_environment_defaults
+from elastic_train.env import (
+    apply_environment_defaults,
+    launcher_environment_defaults,
+    read_worker_env,
+)
 from elastic_train.errors import ConfigError, ElasticTrainError
+from elastic_train.metrics import check_single_process_mode
+from elastic_train.metrics_server import check_ports_free
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task
@@ -86,8 +92,9 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
     return [*argv, "-m", WORKER_MODULE, *job_args]
 
 
-def preflight(config: JobConfig) -> None:
-    """Fail fast on what every worker would fail on: run dir, task, incompatible checkpoint."""
+def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
+    """Fail fast on what every worker would fail on: run dir, task, incompatible checkpoint,
+    metrics ports in use."""
     import torch
 
     prepare_run_dir(config.run_dir)
@@ -98,11 +105,15 @@ def preflight(config: JobConfig) -> None:
             shapes = tensor_shapes(task.build_model().state_dict())
     except Exception as exc:  # a model that cannot be built on meta: the workers will check
         log.debug("skipping the checkpoint pre-check: %s", exc)
-        return
-    for info in CheckpointStore(Path(config.run_dir) / "checkpoints").list():
-        if info.manifest is not None:
-            check_compatible(info, shapes)
-            return
+    else:
+        for info in CheckpointStore(Path(config.run_dir) / "checkpoints").list():
+            if info.manifest is not None:
+                check_compatible(info, shapes)
+                break
+    if config.metrics.port:
+        check_single_process_mode(read_worker_env())
+        if nproc_per_node.isdigit():
+            check_ports_free(config.metrics.address, config.metrics.port, int(nproc_per_node))
 
 
 def first_failure_line(exc: BaseException) -> str:
@@ -136,7 +147,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = parse_job_args(job_args, prog="elastic-train run")
         cmd = torchrun_argv(ns, job_args)
-        preflight(config)
+        preflight(config, ns.nproc_per_node)
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code

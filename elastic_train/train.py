@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -15,6 +16,7 @@ from elastic_train.config import parse_job_args
 from elastic_train.distributed import destroy_group, init_group
 from elastic_train.env import read_worker_env
 from elastic_train.errors import ElasticTrainError
+from elastic_train.metrics_server import WorkerEndpoint, serve_worker_metrics
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task
@@ -49,20 +51,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     env = read_worker_env()
     _setup_logging(env.rank)
+    endpoint: WorkerEndpoint | None = None
+    linger = 0.0
     try:
         config = parse_job_args(sys.argv[1:] if argv is None else argv)
         if env.rank == 0:
             prepare_run_dir(config.run_dir)
+        endpoint = serve_worker_metrics(config, env)
         task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                         config.train.seed, config.run_dir))
+        began = time.monotonic()
         group = init_group(env, config.distributed.backend, config.distributed.timeout_seconds)
-        Trainer(config, env, task, group).run()
+        if endpoint is not None:
+            endpoint.metrics.process_group_ready(time.monotonic() - began)
+        observers = [endpoint.metrics.observe] if endpoint is not None else []
+        Trainer(config, env, task, group, observers=observers).run()
+        linger = config.metrics.linger_seconds
     except ElasticTrainError as exc:
         print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
         _record_for_agent(exc)
         return exc.exit_code
     finally:
         destroy_group()
+        if endpoint is not None:
+            endpoint.close(linger)  # after a successful run: one last scrape of final values
     return 0
 
 

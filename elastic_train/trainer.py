@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,7 +31,8 @@ from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
-from elastic_train.events import EVENTS_FILE, EventLog, read_events
+from elastic_train.events import EVENTS_FILE, EventLog, EventObserver, read_events
+from elastic_train.progress import Progress
 from elastic_train.sampler import ResumableSampler
 from elastic_train.seeding import derive_seed
 from elastic_train.summary import RunSummary, summarize
@@ -72,17 +74,27 @@ def micro_batches(indices: torch.Tensor, limit: int) -> list[torch.Tensor]:
 
 
 class Trainer:
-    """Runs one incarnation of a worker: restore, train to ``steps``, final checkpoint."""
+    """Runs one incarnation of a worker: restore, train to ``steps``, final checkpoint.
+
+    ``observers`` see every event record on this rank (the worker's metrics); rank 0 shows
+    progress on ``out``.
+    """
 
     def __init__(self, config: JobConfig, env: WorkerEnv, task: Task, group: Group,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, observers: Sequence[EventObserver] = ()) -> None:
         self.config = config
         self.env = env
         self.task = task
         self.group = group
         self.out = out or sys.stdout
+        cfg = config.train
+        self.progress = Progress(self.out, cfg.steps, cfg.batch_size, cfg.log_every) \
+            if group.rank == 0 else None
+        if self.progress is not None:
+            observers = [*observers, self.progress.observe]
         run_dir = Path(config.run_dir)
-        self.events = EventLog(run_dir / EVENTS_FILE, enabled=group.rank == 0)
+        self.events = EventLog(run_dir / EVENTS_FILE, enabled=group.rank == 0,
+                               observers=observers)
         self.state = TrainerState()
         self._samples_file: TextIO | None = None
 
@@ -170,21 +182,14 @@ class Trainer:
             self.model,
             device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
         ddp.train()
-        window_start, window_losses = time.monotonic(), []
         while self.state.step < cfg.steps:
             began = time.monotonic()
             loss = self._step(ddp)
             step_seconds = time.monotonic() - began
-            window_losses.append(loss)
             self.events.emit("step", step=self.state.step, loss=round(loss, 6),
                              lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
                              world_size=self.group.world_size, samples=self.state.samples_seen,
                              seconds=round(step_seconds, 6), restart=self.env.restart_count)
-            if self.state.step % cfg.log_every == 0 or self.state.step == cfg.steps:
-                elapsed = time.monotonic() - window_start
-                self._progress(sum(window_losses) / len(window_losses),
-                               len(window_losses) * cfg.batch_size / max(elapsed, 1e-9))
-                window_start, window_losses = time.monotonic(), []
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
                 self.checkpoints.save(self.state.step, self._stateful())
         self.checkpoints.save(self.state.step, self._stateful(), reason="final")
@@ -205,27 +210,24 @@ class Trainer:
                     f"{restored.world_size}, now {self.group.world_size}; "
                     f"restart {self.env.restart_count})")
 
-    def _progress(self, loss: float, samples_per_second: float) -> None:
-        if self.group.rank != 0:
-            return
-        self._print(f"step {self.state.step}/{self.config.train.steps}  loss {loss:.4f} (mean)  "
-                    f"lr {self.scheduler.get_last_lr()[0]:.2e}  world {self.group.world_size}  "
-                    f"{samples_per_second:.0f} samples/s")
-
     def _finish(self) -> RunSummary | None:
         if self._samples_file is not None:
             self._samples_file.close()
         self.events.close()
-        if self.group.rank != 0:
+        if self.group.rank != 0 or self.progress is None:
             return None
         summary = summarize(read_events(Path(self.config.run_dir) / EVENTS_FILE),
                             self.env.run_id)
         for line in summary.lines():
             self._print(line)
+        self.progress.close()
         return summary
 
     def _print(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            print(text, file=self.out, flush=True)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

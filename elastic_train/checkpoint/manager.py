@@ -108,7 +108,8 @@ class CheckpointManager:
             for bad in skipped:
                 aside = self.store.set_aside(bad)
                 log.warning("set %s aside as %s", bad.path, aside.name)
-            return {"step": info.step, "path": str(info.path), "world_size": info.world_size}
+            return {"step": info.step, "path": str(info.path), "world_size": info.world_size,
+                    "time": info.time}
         if infos:
             return {"error": f"none of the {len(infos)} checkpoints under {self.store.root} "
                     "verifies (see the warnings above): move them aside to start afresh, "
@@ -155,6 +156,7 @@ class CheckpointManager:
         seconds = time.monotonic() - started
         self.events.emit("checkpoint_loaded", step=decision["step"], path=str(path),
                          saved_world_size=decision.get("world_size"),
+                         saved_time=decision.get("time"),
                          world_size=self.group.world_size, seconds=round(seconds, 6))
         return Restored(decision["step"], path, decision.get("world_size"), seconds)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +31,38 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     env.update(extra or {})
     return env
+
+
+def free_ports(count: int = 1, host: str = "127.0.0.1") -> int:
+    """A base port with ``count`` consecutive ports free on ``host``.
+
+    Drawn below Linux's ephemeral range (32768+), so that outgoing connections made after
+    the check cannot take them.
+    """
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - count)
+        probes: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+        return base
+    raise AssertionError(f"no {count} consecutive free ports on {host}")
+
+
+def with_metrics_ports(args: Sequence[str], count: int = 4) -> list[str]:
+    """``args`` plus a free loopback base port for the workers' /metrics endpoints, unless
+    they choose one: jobs of suites that run side by side on one machine never collide."""
+    if any(a.startswith("--metrics-port") for a in args):
+        return list(args)
+    return [*args, "--metrics-port", str(free_ports(count)), "--metrics-address", "127.0.0.1"]
 
 
 @dataclass
@@ -179,13 +213,15 @@ def torchrun(run_dir: Path, job_args: Sequence[str], nproc: int = 2, max_restart
     rendezvous = list(rdzv) or ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *rendezvous,
-            "-m", "elastic_train.train", "--run-dir", str(run_dir), *job_args]
+            "-m", "elastic_train.train", "--run-dir", str(run_dir),
+            *with_metrics_ports(job_args, nproc)]
     return start(argv, run_dir, env)
 
 
 def elastic_run(run_dir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> Job:
     """``elastic-train run`` as a user types it."""
-    argv = [sys.executable, "-m", "elastic_train", "run", "--run-dir", str(run_dir), *args]
+    argv = [sys.executable, "-m", "elastic_train", "run", "--run-dir", str(run_dir),
+            *with_metrics_ports(args)]
     return start(argv, run_dir, env)
 
 

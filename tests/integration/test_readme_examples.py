@@ -28,6 +28,8 @@ def run_readme_command(command: str, cwd: Path, extra: list[str] = ()) -> harnes
     """Start a README command in ``cwd`` (the console scripts resolved to this Python)."""
     assert command in readme_commands(), f"not in the README: {command}"
     argv = shlex.split(command) + list(extra)
+    if "elastic_train.train" in argv or argv[:2] == ["elastic-train", "run"]:
+        argv = harness.with_metrics_ports(argv)
     if argv[0] == "elastic-train":
         argv = [sys.executable, "-m", "elastic_train", *argv[1:]]
     elif argv[0] == "torchrun":

@@ -13,6 +13,7 @@ from elastic_train.config import (
     CheckpointConfig,
     DistributedConfig,
     JobConfig,
+    MetricsConfig,
     TrainConfig,
     parse_job_args,
 )
@@ -48,6 +49,7 @@ def test_defaults_without_options() -> None:
         record_samples=False)
     assert config.checkpoint == CheckpointConfig(every_steps=50, every_seconds=None, keep=3)
     assert config.distributed == DistributedConfig(backend="auto", timeout_seconds=120.0)
+    assert config.metrics == MetricsConfig(port=9450, address="0.0.0.0", linger_seconds=0.0)
 
 
 # --- every option sets its field ----------------------------------------------------------
@@ -71,6 +73,9 @@ VALID: dict[str, tuple[str, Any]] = {
     "--keep-checkpoints": ("7", 7),
     "--backend": ("gloo", "gloo"),
     "--collective-timeout": ("30", 30.0),
+    "--metrics-port": ("0", 0),
+    "--metrics-address": ("127.0.0.1", "127.0.0.1"),
+    "--metrics-linger": ("20", 20.0),
 }
 
 
@@ -207,10 +212,11 @@ def test_to_dict_round_trips_through_a_json_config_file(tmp_path: Path) -> None:
         "--lr-schedule", "constant", "--grad-clip", "0", "--seed", "9", "--log-every", "2",
         "--record-samples", "true", "--checkpoint-every", "off", "--checkpoint-interval",
         "12.5", "--keep-checkpoints", "4", "--backend", "gloo", "--collective-timeout", "8",
+        "--metrics-port", "9500", "--metrics-address", "::1", "--metrics-linger", "2.5",
         "--task-opt", "preset=tiny", "--task-opt", "dropout=0.1"])
     data = original.to_dict()
     assert data["run_dir"] == str(tmp_path / "run")
-    assert set(data) == {"run_dir", "train", "checkpoint", "distributed"}
+    assert set(data) == {"run_dir", "train", "checkpoint", "distributed", "metrics"}
     path = _write(tmp_path / "saved.json", json.dumps(data))
     assert parse_job_args(["--config", str(path)]) == original
     # The defaults round-trip too (every_seconds is None there).
@@ -238,7 +244,7 @@ def test_unknown_top_level_config_key_with_hint(tmp_path: Path) -> None:
     path = _write(tmp_path / "job.toml", "[trian]\nsteps = 3\n")
     assert _error(["--config", str(path)]) == (
         f"unknown config key 'trian' (did you mean 'train'?): remove it from {path}; "
-        "known: run_dir, train, checkpoint, distributed")
+        "known: run_dir, train, checkpoint, distributed, metrics")
 
 
 def test_unknown_config_key_in_a_section_with_hint(tmp_path: Path) -> None:
@@ -292,6 +298,9 @@ def test_wrong_type_in_other_sections(tmp_path: Path) -> None:
     path = _write(tmp_path / "job2.toml", "[distributed]\nbackend = 1\n")
     assert _error(["--config", str(path)]) == \
         "[distributed] backend = 1 is invalid: expected str"
+    path = _write(tmp_path / "job3.toml", "[metrics]\nport = \"9450\"\n")
+    assert _error(["--config", str(path)]) == \
+        "[metrics] port = '9450' is invalid: expected int"
 
 
 def test_an_int_is_accepted_for_a_float_field(tmp_path: Path) -> None:
@@ -326,6 +335,14 @@ def test_wrong_type_of_run_dir_in_the_file(tmp_path: Path, text: str) -> None:
     (["--steps", "ten"], "--steps 'ten' is invalid: expected int"),
     (["--lr", "fast"], "--lr 'fast' is invalid: expected float"),
     (["--record-samples", "maybe"], "--record-samples 'maybe' is invalid: expected bool"),
+    (["--metrics-port", "-1"],
+     "--metrics-port -1 is invalid: it must be a TCP port (0 turns metrics off)"),
+    (["--metrics-port", "70000"],
+     "--metrics-port 70000 is invalid: it must be a TCP port (0 turns metrics off)"),
+    (["--metrics-address", " "],
+     "--metrics-address ' ' is invalid: it must be an address to bind, e.g. 0.0.0.0 or "
+     "127.0.0.1"),
+    (["--metrics-linger", "-1"], "--metrics-linger -1.0 is invalid: it must be >= 0"),
 ])
 def test_invalid_values_name_the_option_and_the_requirement(argv: list[str],
                                                             message: str) -> None:

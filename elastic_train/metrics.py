@@ -1,0 +1,230 @@
+"""Prometheus metrics of one worker, kept up to date from the records of the run's event log.
+
+Each worker builds a ``WorkerMetrics`` on a registry it is given (never prometheus-client's
+global default) and serves it on its own port (``metrics_server.py``). Its values come from
+the same records that rank 0 writes to ``events.jsonl`` (``observe``), so the endpoint, the
+log and the report agree. Every series carries the bounded labels ``run_id``, ``rank`` and
+``node``; names follow Prometheus' conventions (one prefix, base units, ``_total``).
+
+Rank 0 alone saves checkpoints and reads the event log, so the checkpoint-save, last-good-
+checkpoint, skipped, recovery and lost-work series come from rank 0 (absent elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.process_collector import ProcessCollector
+
+from elastic_train import __version__
+from elastic_train.env import WorkerEnv
+from elastic_train.errors import MetricsError
+from elastic_train.events import LastIncarnation
+from elastic_train.sampler import shard_bounds
+
+PREFIX = "elastic_train"
+LABELS = ("run_id", "rank", "node")
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                      300.0, 600.0)
+THROUGHPUT_WINDOW = 20
+"""Steps over which ``samples_per_second`` is measured (wall time, pauses included)."""
+
+
+def check_single_process_mode(env: WorkerEnv) -> None:
+    """Refuse prometheus-client's multiprocess mode: dead workers' series would stay forever.
+
+    The mode switches on when ``PROMETHEUS_MULTIPROC_DIR`` is present at all, even empty.
+    """
+    if env.prometheus_multiproc_dir is not None:
+        raise MetricsError(
+            f"PROMETHEUS_MULTIPROC_DIR is set (to {env.prometheus_multiproc_dir!r}), which puts "
+            "prometheus-client in multiprocess mode; every worker serves its own endpoint "
+            "instead: unset it for the job, or pass --metrics-port 0 to run without metrics")
+
+
+def process_start_time() -> float | None:
+    """Unix time this process started (Linux /proc), or None where that is unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+class WorkerMetrics:
+    """The metrics of one worker process.
+
+    ``batch_size`` is the global batch (this rank counts its share of it); ``previous``
+    is what rank 0 read from the event log before a restart (recovery time, lost steps).
+    Nothing is served here: see ``metrics_server``.
+    """
+
+    def __init__(self, registry: CollectorRegistry, env: WorkerEnv, batch_size: int, *,
+                 node: str | None = None, previous: LastIncarnation | None = None,
+                 started_at: float | None = None, clock: Callable[[], float] = time.time
+                 ) -> None:
+        self.registry = registry
+        self.rank = env.rank
+        self.batch_size = batch_size
+        self.previous = previous
+        self.started_at = started_at
+        self._clock = clock
+        self._share = 0
+        self._first_step_seen = False
+        self._window: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_WINDOW + 1)
+        self._samples_done = 0
+        self._labels = {"run_id": env.run_id, "rank": str(env.rank),
+                        "node": node or platform.node() or "unknown"}
+
+        def family(kind: Any, name: str, doc: str, **kwargs: Any) -> Any:
+            return kind(f"{PREFIX}_{name}", doc, labelnames=[*LABELS, *kwargs.pop("extra", ())],
+                        registry=registry, **kwargs)
+
+        def child(kind: Any, name: str, doc: str, **kwargs: Any) -> Any:
+            return family(kind, name, doc, **kwargs).labels(**self._labels)
+
+        child(Info, "build", "Versions of elastic_train, torch and Python in this worker").info(
+            {"version": __version__, "torch_version": torch.__version__,
+             "python_version": platform.python_version()})
+        self.steps = child(Counter, "steps", "Optimizer steps this worker process completed "
+                           "(a restarted worker counts from 0 again)")
+        self.samples = child(Counter, "samples", "Samples this rank trained on (its share of "
+                             "every global batch)")
+        self.step = child(Gauge, "step", "The job's newest completed optimizer step "
+                          "(restored steps included)")
+        self.target_step = child(Gauge, "target_step", "The step the run trains to")
+        self.epoch = child(Gauge, "epoch", "Epoch of the newest step")
+        self.loss = child(Gauge, "loss", "Loss of the newest step (mean over the global batch)")
+        self.learning_rate = child(Gauge, "learning_rate", "Learning rate of the newest step")
+        self.world_size = child(Gauge, "world_size", "Ranks in this incarnation's job")
+        self.restarts = child(Counter, "restarts", "Worker-group restarts before this "
+                              "incarnation (torchelastic's restart count)")
+        self.max_restarts = child(Gauge, "max_restarts", "Restarts the agent allows before "
+                                  "it fails the job")
+        self.step_duration = child(Histogram, "step_duration_seconds", "Seconds of compute "
+                                   "per optimizer step (forward, backward, update, loss "
+                                   "all-reduce)", buckets=STEP_BUCKETS)
+        self.samples_per_second = child(Gauge, "samples_per_second", "This rank's samples per "
+                                        f"second of wall time over the last {THROUGHPUT_WINDOW} "
+                                        "steps (checkpoint pauses included)")
+        save = family(Histogram, "checkpoint_save_duration_seconds", "Rank 0: seconds per "
+                      "checkpoint save, by stage (snapshot: training waits; persist: "
+                      "serialise and write)", buckets=CHECKPOINT_BUCKETS, extra=("stage",))
+        self.save_snapshot = save.labels(**self._labels, stage="snapshot")
+        self.save_persist = save.labels(**self._labels, stage="persist")
+        self.load_duration = child(Histogram, "checkpoint_load_duration_seconds", "Seconds to "
+                                   "find, verify and load the checkpoint at a (re)start",
+                                   buckets=CHECKPOINT_BUCKETS)
+        self.skipped = child(Counter, "checkpoints_skipped", "Rank 0: corrupt checkpoints "
+                             "skipped at restore")
+        self.rendezvous = child(Gauge, "rendezvous_duration_seconds", "Seconds this worker "
+                                "took to form the process group (joining the store until "
+                                "every rank arrived); the agent's rendezvous before the "
+                                "worker started is not visible to it")
+        # Rank 0 only, or known later: created when first set, so absent until then.
+        self._checkpoint_size = family(Gauge, "checkpoint_size_bytes", "Rank 0: bytes of the "
+                                       "newest checkpoint written")
+        self._last_checkpoint_time = family(Gauge, "last_checkpoint_timestamp_seconds",
+                                            "Rank 0: Unix time the newest good checkpoint "
+                                            "was written (saved or restored)")
+        self._last_checkpoint_step = family(Gauge, "last_checkpoint_step", "Rank 0: step of "
+                                            "the newest good checkpoint")
+        self._to_group = family(Gauge, "time_to_process_group_seconds", "Seconds from the "
+                                "worker process' start to its process group being ready")
+        self._to_first_step = family(Gauge, "time_to_first_step_seconds", "Seconds from the "
+                                     "worker process' start to the end of its first step")
+        self._recovery = family(Gauge, "recovery_seconds", "Rank 0, after a restart: seconds "
+                                "from the failed incarnation's last logged event to the end of "
+                                "the first step after the restart")
+        self._lost_steps = family(Gauge, "lost_steps", "Rank 0, after a restart: steps done "
+                                  "before the failure that are redone (newest step logged "
+                                  "minus the step resumed from)")
+        ProcessCollector(registry=registry)
+        self.restarts.inc(env.restart_count)
+        self.max_restarts.set(env.max_restarts)
+        self.world_size.set(env.world_size)
+        self._handlers: dict[str, Callable[[Mapping[str, Any]], None]] = {
+            "start": self._on_start, "step": self._on_step,
+            "checkpoint_saved": self._on_saved, "checkpoint_loaded": self._on_loaded,
+            "checkpoint_skipped": self._on_skipped,
+        }
+
+    # ---- fed by the composition root -----------------------------------------------------
+    def process_group_ready(self, rendezvous_seconds: float) -> None:
+        """Record the process group's formation (call right after it is ready)."""
+        self.rendezvous.set(rendezvous_seconds)
+        if self.started_at is not None:
+            self._to_group.labels(**self._labels).set(self._clock() - self.started_at)
+
+    def observe(self, record: Mapping[str, Any]) -> None:
+        """Update the metrics from one event-log record (an ``EventObserver``)."""
+        handler = self._handlers.get(record["event"])
+        if handler is not None:
+            handler(record)
+
+    # ---- one handler per event -----------------------------------------------------------
+    def _on_start(self, record: Mapping[str, Any]) -> None:
+        world = int(record.get("world_size") or 1)
+        self.world_size.set(world)
+        if record.get("total_steps"):
+            self.target_step.set(record["total_steps"])
+        start, stop = shard_bounds(self.batch_size, self.rank, world)
+        self._share = stop - start
+
+    def _on_step(self, record: Mapping[str, Any]) -> None:
+        now = float(record["time"])
+        step = int(record["step"])
+        self.steps.inc()
+        self.samples.inc(self._share)
+        self.step.set(step)
+        for gauge, key in ((self.loss, "loss"), (self.learning_rate, "lr"),
+                           (self.epoch, "epoch"), (self.world_size, "world_size")):
+            if record.get(key) is not None:
+                gauge.set(record[key])
+        if record.get("seconds") is not None:
+            self.step_duration.observe(record["seconds"])
+        self._samples_done += self._share
+        self._window.append((now, self._samples_done))
+        (t0, s0), (t1, s1) = self._window[0], self._window[-1]
+        if t1 > t0:
+            self.samples_per_second.set((s1 - s0) / (t1 - t0))
+        if not self._first_step_seen:
+            self._first_step_seen = True
+            if self.started_at is not None:
+                self._to_first_step.labels(**self._labels).set(now - self.started_at)
+            if self.previous is not None:
+                self._recovery.labels(**self._labels).set(max(0.0, now - self.previous.time))
+                if self.previous.step is not None:
+                    self._lost_steps.labels(**self._labels).set(
+                        max(0, self.previous.step - (step - 1)))
+
+    def _on_saved(self, record: Mapping[str, Any]) -> None:
+        self.save_snapshot.observe(record.get("snapshot_seconds") or 0.0)
+        self.save_persist.observe(record.get("persist_seconds") or 0.0)
+        if record.get("bytes") is not None:
+            self._checkpoint_size.labels(**self._labels).set(record["bytes"])
+        self._good_checkpoint(int(record["step"]), float(record["time"]))
+
+    def _on_loaded(self, record: Mapping[str, Any]) -> None:
+        if record.get("seconds") is not None:
+            self.load_duration.observe(record["seconds"])
+        if self.rank == 0 and record.get("saved_time") is not None:
+            self._good_checkpoint(int(record["step"]), float(record["saved_time"]))
+
+    def _on_skipped(self, record: Mapping[str, Any]) -> None:
+        self.skipped.inc()
+
+    def _good_checkpoint(self, step: int, when: float) -> None:
+        self._last_checkpoint_step.labels(**self._labels).set(step)
+        self._last_checkpoint_time.labels(**self._labels).set(when)
