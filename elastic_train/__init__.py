@@ -12,6 +12,7 @@ from elastic_train.errors import (
     DistributedError,
     ElasticTrainError,
     MetricsError,
+    ReportError,
     TaskError,
     UnsafeCheckpointError,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "DistributedError",
     "ElasticTrainError",
     "MetricsError",
+    "ReportError",
     "Task",
     "TaskContext",
     "TaskError",

@@ -22,6 +22,10 @@ commands:
   checkpoints list RUN_DIR [--json]      every checkpoint: step, world size, time, size,
                                          valid or not, and the model weights' sha256
   checkpoints verify RUN_DIR             exit 1 if any checkpoint is corrupt
+  report RUN_DIR [--output PNG]          draw the run from its event log (loss, throughput,
+                                         world size; failures, restarts, resizes and
+                                         checkpoints marked) into RUN_DIR/report.png, and
+                                         write a summary (report.txt)
   --version                              print the version
 """
 
@@ -114,6 +118,29 @@ def _checkpoints(argv: Sequence[str]) -> int:
     return checkpoints_verify(ns.run_dir)
 
 
+def _report(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="elastic-train report", allow_abbrev=False,
+        description="Draw a run from its event log and summarise it.")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--output", type=Path, default=None, metavar="PNG",
+                        help="where the picture goes (default RUN_DIR/report.png); the "
+                             "summary goes beside it as .txt")
+    parser.add_argument("--run-id", default=None,
+                        help="which run of the log (default: the newest)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="only the summary (no matplotlib needed)")
+    ns = parser.parse_args(list(argv))
+    _check_run_dir(ns.run_dir)
+    from elastic_train.report import write_report
+
+    report = write_report(ns.run_dir, ns.output, ns.run_id, plot=not ns.no_plot)
+    print(report.text, end="")
+    written = [p for p in (report.image_path, report.summary_path) if p is not None]
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -131,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return launch_main(rest)
         if command == "checkpoints":
             return _checkpoints(rest)
+        if command == "report":
+            return _report(rest)
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -76,6 +76,7 @@ class MetricsConfig:
     port: int = 9450
     address: str = "0.0.0.0"
     linger_seconds: float = 0.0
+    min_world_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--metrics-linger", "metrics", "linger_seconds",
            "after the run, wait up to this many seconds for one more scrape so the final "
            "values reach Prometheus (0: exit at once)", float, "SECONDS"),
+    Option("--min-world-size", "metrics", "min_world_size",
+           "world size below which the job counts as degraded: exported for the alert "
+           "(0: not set)", int, "N"),
 )
 
 
@@ -265,6 +269,7 @@ def validate(config: JobConfig) -> JobConfig:
     _check(bool(m.address.strip()), "--metrics-address", repr(m.address),
            "an address to bind, e.g. 0.0.0.0 or 127.0.0.1")
     _check(m.linger_seconds >= 0, "--metrics-linger", m.linger_seconds, ">= 0")
+    _check(m.min_world_size >= 0, "--min-world-size", m.min_world_size, ">= 0 (0: not set)")
     return config
 
 

@@ -51,5 +51,11 @@ class MetricsError(ElasticTrainError):
     exit_code = 2
 
 
+class ReportError(ElasticTrainError):
+    """A run report cannot be made (no event log, no run in it, matplotlib missing)."""
+
+    exit_code = 2
+
+
 class DistributedError(ElasticTrainError):
     """The process group cannot be formed or a collective timed out."""

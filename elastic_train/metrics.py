@@ -66,12 +66,14 @@ class WorkerMetrics:
     """The metrics of one worker process.
 
     ``batch_size`` is the global batch (this rank counts its share of it); ``previous``
-    is what rank 0 read from the event log before a restart (recovery time, lost steps).
+    is what rank 0 read from the event log before a restart (recovery time, lost steps);
+    ``started_at`` is the Unix time the worker process started.
     Nothing is served here: see ``metrics_server``.
     """
 
     def __init__(self, registry: CollectorRegistry, env: WorkerEnv, batch_size: int, *,
-                 node: str | None = None, previous: LastIncarnation | None = None,
+                 min_world_size: int = 0, node: str | None = None,
+                 previous: LastIncarnation | None = None,
                  started_at: float | None = None, clock: Callable[[], float] = time.time
                  ) -> None:
         self.registry = registry
@@ -103,11 +105,16 @@ class WorkerMetrics:
                              "every global batch)")
         self.step = child(Gauge, "step", "The job's newest completed optimizer step "
                           "(restored steps included)")
+        self.step_time = child(Gauge, "last_step_timestamp_seconds", "Unix time the newest "
+                               "step ended")
         self.target_step = child(Gauge, "target_step", "The step the run trains to")
         self.epoch = child(Gauge, "epoch", "Epoch of the newest step")
         self.loss = child(Gauge, "loss", "Loss of the newest step (mean over the global batch)")
         self.learning_rate = child(Gauge, "learning_rate", "Learning rate of the newest step")
         self.world_size = child(Gauge, "world_size", "Ranks in this incarnation's job")
+        if min_world_size:
+            child(Gauge, "min_world_size", "The world size below which the job is degraded "
+                  "(--min-world-size)").set(min_world_size)
         self.restarts = child(Counter, "restarts", "Worker-group restarts before this "
                               "incarnation (torchelastic's restart count)")
         self.max_restarts = child(Gauge, "max_restarts", "Restarts the agent allows before "
@@ -128,11 +135,11 @@ class WorkerMetrics:
                                    buckets=CHECKPOINT_BUCKETS)
         self.skipped = child(Counter, "checkpoints_skipped", "Rank 0: corrupt checkpoints "
                              "skipped at restore")
-        self.rendezvous = child(Gauge, "rendezvous_duration_seconds", "Seconds this worker "
-                                "took to form the process group (joining the store until "
-                                "every rank arrived); the agent's rendezvous before the "
-                                "worker started is not visible to it")
         # Rank 0 only, or known later: created when first set, so absent until then.
+        self._rendezvous = family(Gauge, "rendezvous_duration_seconds", "Seconds this "
+                                  "worker took to form the process group (joining the store "
+                                  "until every rank arrived); the agent's rendezvous before "
+                                  "the worker started is not visible to it")
         self._checkpoint_size = family(Gauge, "checkpoint_size_bytes", "Rank 0: bytes of the "
                                        "newest checkpoint written")
         self._last_checkpoint_time = family(Gauge, "last_checkpoint_timestamp_seconds",
@@ -163,7 +170,7 @@ class WorkerMetrics:
     # ---- fed by the composition root -----------------------------------------------------
     def process_group_ready(self, rendezvous_seconds: float) -> None:
         """Record the process group's formation (call right after it is ready)."""
-        self.rendezvous.set(rendezvous_seconds)
+        self._rendezvous.labels(**self._labels).set(rendezvous_seconds)
         if self.started_at is not None:
             self._to_group.labels(**self._labels).set(self._clock() - self.started_at)
 
@@ -188,6 +195,7 @@ class WorkerMetrics:
         self.steps.inc()
         self.samples.inc(self._share)
         self.step.set(step)
+        self.step_time.set(now)
         for gauge, key in ((self.loss, "loss"), (self.learning_rate, "lr"),
                            (self.epoch, "epoch"), (self.world_size, "world_size")):
             if record.get(key) is not None:

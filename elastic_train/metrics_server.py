@@ -190,7 +190,8 @@ def serve_worker_metrics(config: JobConfig, env: WorkerEnv) -> WorkerEndpoint | 
     if env.rank == 0 and env.restart_count > 0:
         previous = last_incarnation(Path(config.run_dir) / EVENTS_FILE)
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry, env, config.train.batch_size, previous=previous,
+    metrics = WorkerMetrics(registry, env, config.train.batch_size,
+                            min_world_size=settings.min_world_size, previous=previous,
                             started_at=process_start_time())
     server = MetricsServer(registry, settings.address, port)
     log.info("serving metrics at %s", server.url)

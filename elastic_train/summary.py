@@ -39,13 +39,15 @@ class RunSummary:
         ]
 
 
-def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> RunSummary:
-    """Summarise the newest launch of ``run_id`` (or of the newest run in the log)."""
+def launch_segment(events: Iterable[dict[str, Any]], run_id: str | None = None
+                   ) -> tuple[str | None, list[dict[str, Any]]]:
+    """The records of the newest launch of ``run_id`` (or of the newest run in the log):
+    from its first start (restart 0) up to the next launch, restarts included."""
     records = list(events)
     starts = [i for i, e in enumerate(records) if e["event"] == "start"
               and (run_id is None or e.get("run_id") == run_id)]
     if not starts:
-        return RunSummary(run_id, 0, None, None, None, 0, 0, 0, 0, ())
+        return run_id, []
     run_id = records[starts[-1]].get("run_id")
     mine = [i for i in starts if records[i].get("run_id") == run_id]
     fresh = [i for i in mine if records[i].get("restart", 0) == 0]
@@ -53,7 +55,14 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
     end = next((i for i in range(begin + 1, len(records)) if records[i]["event"] == "start"
                 and (records[i].get("run_id") != run_id or records[i].get("restart", 0) == 0)),
                len(records))
-    segment = records[begin:end]
+    return run_id, records[begin:end]
+
+
+def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> RunSummary:
+    """Summarise the newest launch of ``run_id`` (or of the newest run in the log)."""
+    run_id, segment = launch_segment(events, run_id)
+    if not segment:
+        return RunSummary(run_id, 0, None, None, None, 0, 0, 0, 0, ())
     steps = [e for e in segment if e["event"] == "step"]
     seen: set[int] = set()
     redone = 0
@@ -73,7 +82,7 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
     return RunSummary(
         run_id=run_id,
         steps_done=max(seen, default=0),
-        total_steps=records[begin].get("total_steps"),
+        total_steps=segment[0].get("total_steps"),
         final_loss=sum(tail) / len(tail) if tail else None,
         first_loss=steps[0]["loss"] if steps and steps[0]["step"] == 1 else None,
         checkpoints_written=sum(e["event"] == "checkpoint_saved" for e in segment),

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,3 +246,23 @@ def digest_at(run_dir: Path, step: int) -> str:
     rows = [r for r in checkpoint_listing(run_dir) if r["step"] == step and r["valid"]]
     assert len(rows) == 1, checkpoint_listing(run_dir)
     return rows[0]["model_digest"]
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str, timeout: float = 5.0) -> Samples:
+    """Every sample of a /metrics endpoint: {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    """The value of the one sample of ``name`` whose labels include ``labels`` (None: none)."""
+    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(found) <= 1, f"{name}{labels} matches {len(found)} samples"
+    return found[0] if found else None

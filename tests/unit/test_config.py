@@ -49,7 +49,8 @@ def test_defaults_without_options() -> None:
         record_samples=False)
     assert config.checkpoint == CheckpointConfig(every_steps=50, every_seconds=None, keep=3)
     assert config.distributed == DistributedConfig(backend="auto", timeout_seconds=120.0)
-    assert config.metrics == MetricsConfig(port=9450, address="0.0.0.0", linger_seconds=0.0)
+    assert config.metrics == MetricsConfig(port=9450, address="0.0.0.0", linger_seconds=0.0,
+                                           min_world_size=0)
 
 
 # --- every option sets its field ----------------------------------------------------------
@@ -76,6 +77,7 @@ VALID: dict[str, tuple[str, Any]] = {
     "--metrics-port": ("0", 0),
     "--metrics-address": ("127.0.0.1", "127.0.0.1"),
     "--metrics-linger": ("20", 20.0),
+    "--min-world-size": ("4", 4),
 }
 
 
@@ -213,6 +215,7 @@ def test_to_dict_round_trips_through_a_json_config_file(tmp_path: Path) -> None:
         "--record-samples", "true", "--checkpoint-every", "off", "--checkpoint-interval",
         "12.5", "--keep-checkpoints", "4", "--backend", "gloo", "--collective-timeout", "8",
         "--metrics-port", "9500", "--metrics-address", "::1", "--metrics-linger", "2.5",
+        "--min-world-size", "2",
         "--task-opt", "preset=tiny", "--task-opt", "dropout=0.1"])
     data = original.to_dict()
     assert data["run_dir"] == str(tmp_path / "run")
@@ -343,6 +346,7 @@ def test_wrong_type_of_run_dir_in_the_file(tmp_path: Path, text: str) -> None:
      "--metrics-address ' ' is invalid: it must be an address to bind, e.g. 0.0.0.0 or "
      "127.0.0.1"),
     (["--metrics-linger", "-1"], "--metrics-linger -1.0 is invalid: it must be >= 0"),
+    (["--min-world-size", "-2"], "--min-world-size -2 is invalid: it must be >= 0 (0: not set)"),
 ])
 def test_invalid_values_name_the_option_and_the_requirement(argv: list[str],
                                                             message: str) -> None:
