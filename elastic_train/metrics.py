@@ -62,13 +62,28 @@ def process_start_time() -> float | None:
         return None
 
 
+class _Lazy:
+    """A labelled gauge created at its first value: absent from /metrics until it is known
+    (a restarted worker must not claim step 0 or a last step at time 0)."""
+
+    def __init__(self, family: Gauge, labels: dict[str, str]) -> None:
+        self._family = family
+        self._labels = labels
+        self._child: Any = None
+
+    def set(self, value: float) -> None:
+        if self._child is None:
+            self._child = self._family.labels(**self._labels)
+        self._child.set(value)
+
+
 class WorkerMetrics:
     """The metrics of one worker process.
 
     ``batch_size`` is the global batch (this rank counts its share of it); ``previous``
     is what rank 0 read from the event log before a restart (recovery time, lost steps);
-    ``started_at`` is the Unix time the worker process started.
-    Nothing is served here: see ``metrics_server``.
+    ``started_at`` is the Unix time the worker process started. Nothing is served here:
+    see ``metrics_server``.
     """
 
     def __init__(self, registry: CollectorRegistry, env: WorkerEnv, batch_size: int, *,
@@ -76,7 +91,6 @@ class WorkerMetrics:
                  previous: LastIncarnation | None = None,
                  started_at: float | None = None, clock: Callable[[], float] = time.time
                  ) -> None:
-        self.registry = registry
         self.rank = env.rank
         self.batch_size = batch_size
         self.previous = previous
@@ -86,81 +100,85 @@ class WorkerMetrics:
         self._first_step_seen = False
         self._window: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_WINDOW + 1)
         self._samples_done = 0
-        self._labels = {"run_id": env.run_id, "rank": str(env.rank),
-                        "node": node or platform.node() or "unknown"}
+        labels = {"run_id": env.run_id, "rank": str(env.rank),
+                  "node": node or platform.node() or "unknown"}
 
-        def family(kind: Any, name: str, doc: str, **kwargs: Any) -> Any:
-            return kind(f"{PREFIX}_{name}", doc, labelnames=[*LABELS, *kwargs.pop("extra", ())],
+        def family(kind: Any, name: str, doc: str, extra: tuple[str, ...] = (),
+                   **kwargs: Any) -> Any:
+            return kind(f"{PREFIX}_{name}", doc, labelnames=[*LABELS, *extra],
                         registry=registry, **kwargs)
 
-        def child(kind: Any, name: str, doc: str, **kwargs: Any) -> Any:
-            return family(kind, name, doc, **kwargs).labels(**self._labels)
+        def now(kind: Any, name: str, doc: str, **kwargs: Any) -> Any:
+            return family(kind, name, doc, **kwargs).labels(**labels)
 
-        child(Info, "build", "Versions of elastic_train, torch and Python in this worker").info(
+        def later(name: str, doc: str) -> _Lazy:
+            return _Lazy(family(Gauge, name, doc), labels)
+
+        now(Info, "build", "Versions of elastic_train, torch and Python in this worker").info(
             {"version": __version__, "torch_version": torch.__version__,
              "python_version": platform.python_version()})
-        self.steps = child(Counter, "steps", "Optimizer steps this worker process completed "
-                           "(a restarted worker counts from 0 again)")
-        self.samples = child(Counter, "samples", "Samples this rank trained on (its share of "
-                             "every global batch)")
-        self.step = child(Gauge, "step", "The job's newest completed optimizer step "
-                          "(restored steps included)")
-        self.step_time = child(Gauge, "last_step_timestamp_seconds", "Unix time the newest "
-                               "step ended")
-        self.target_step = child(Gauge, "target_step", "The step the run trains to")
-        self.epoch = child(Gauge, "epoch", "Epoch of the newest step")
-        self.loss = child(Gauge, "loss", "Loss of the newest step (mean over the global batch)")
-        self.learning_rate = child(Gauge, "learning_rate", "Learning rate of the newest step")
-        self.world_size = child(Gauge, "world_size", "Ranks in this incarnation's job")
-        if min_world_size:
-            child(Gauge, "min_world_size", "The world size below which the job is degraded "
-                  "(--min-world-size)").set(min_world_size)
-        self.restarts = child(Counter, "restarts", "Worker-group restarts before this "
-                              "incarnation (torchelastic's restart count)")
-        self.max_restarts = child(Gauge, "max_restarts", "Restarts the agent allows before "
-                                  "it fails the job")
-        self.step_duration = child(Histogram, "step_duration_seconds", "Seconds of compute "
-                                   "per optimizer step (forward, backward, update, loss "
-                                   "all-reduce)", buckets=STEP_BUCKETS)
-        self.samples_per_second = child(Gauge, "samples_per_second", "This rank's samples per "
-                                        f"second of wall time over the last {THROUGHPUT_WINDOW} "
-                                        "steps (checkpoint pauses included)")
+        # Known from the start of the process.
+        self.steps = now(Counter, "steps", "Optimizer steps this worker process completed (a "
+                         "restarted worker counts from 0 again)")
+        self.samples = now(Counter, "samples", "Samples this rank trained on (its share of "
+                           "every global batch)")
+        self.world_size = now(Gauge, "world_size", "Ranks in this incarnation's job")
+        self.restarts = now(Counter, "restarts", "Worker-group restarts before this "
+                            "incarnation (torchelastic's restart count)")
+        self.max_restarts = now(Gauge, "max_restarts", "Restarts the agent allows before it "
+                                "fails the job")
+        self.step_duration = now(Histogram, "step_duration_seconds", "Seconds of compute per "
+                                 "optimizer step (forward, backward, update, loss all-reduce)",
+                                 buckets=STEP_BUCKETS)
         save = family(Histogram, "checkpoint_save_duration_seconds", "Rank 0: seconds per "
                       "checkpoint save, by stage (snapshot: training waits; persist: "
-                      "serialise and write)", buckets=CHECKPOINT_BUCKETS, extra=("stage",))
-        self.save_snapshot = save.labels(**self._labels, stage="snapshot")
-        self.save_persist = save.labels(**self._labels, stage="persist")
-        self.load_duration = child(Histogram, "checkpoint_load_duration_seconds", "Seconds to "
-                                   "find, verify and load the checkpoint at a (re)start",
-                                   buckets=CHECKPOINT_BUCKETS)
-        self.skipped = child(Counter, "checkpoints_skipped", "Rank 0: corrupt checkpoints "
-                             "skipped at restore")
-        # Rank 0 only, or known later: created when first set, so absent until then.
-        self._rendezvous = family(Gauge, "rendezvous_duration_seconds", "Seconds this "
-                                  "worker took to form the process group (joining the store "
-                                  "until every rank arrived); the agent's rendezvous before "
-                                  "the worker started is not visible to it")
-        self._checkpoint_size = family(Gauge, "checkpoint_size_bytes", "Rank 0: bytes of the "
-                                       "newest checkpoint written")
-        self._last_checkpoint_time = family(Gauge, "last_checkpoint_timestamp_seconds",
-                                            "Rank 0: Unix time the newest good checkpoint "
-                                            "was written (saved or restored)")
-        self._last_checkpoint_step = family(Gauge, "last_checkpoint_step", "Rank 0: step of "
-                                            "the newest good checkpoint")
-        self._to_group = family(Gauge, "time_to_process_group_seconds", "Seconds from the "
-                                "worker process' start to its process group being ready")
-        self._to_first_step = family(Gauge, "time_to_first_step_seconds", "Seconds from the "
-                                     "worker process' start to the end of its first step")
-        self._recovery = family(Gauge, "recovery_seconds", "Rank 0, after a restart: seconds "
-                                "from the failed incarnation's last logged event to the end of "
-                                "the first step after the restart")
-        self._lost_steps = family(Gauge, "lost_steps", "Rank 0, after a restart: steps done "
-                                  "before the failure that are redone (newest step logged "
-                                  "minus the step resumed from)")
-        ProcessCollector(registry=registry)
+                      "serialise and write)", extra=("stage",), buckets=CHECKPOINT_BUCKETS)
+        self.save_snapshot = save.labels(**labels, stage="snapshot")
+        self.save_persist = save.labels(**labels, stage="persist")
+        self.load_duration = now(Histogram, "checkpoint_load_duration_seconds", "Seconds to "
+                                 "find, verify and load the checkpoint at a (re)start",
+                                 buckets=CHECKPOINT_BUCKETS)
+        self.skipped = now(Counter, "checkpoints_skipped", "Rank 0: corrupt checkpoints "
+                           "skipped at restore")
+        self.world_size.set(env.world_size)
         self.restarts.inc(env.restart_count)
         self.max_restarts.set(env.max_restarts)
-        self.world_size.set(env.world_size)
+        if min_world_size:
+            now(Gauge, "min_world_size", "World size below which the job is degraded "
+                "(--min-world-size)").set(min_world_size)
+        # Known later (or on rank 0 only): absent until then.
+        self.step = later("step", "The job's newest completed optimizer step (restored "
+                          "steps included)")
+        self.step_time = later("last_step_timestamp_seconds", "Unix time the newest step ended")
+        self.target_step = later("target_step", "The step the run trains to")
+        self.epoch = later("epoch", "Epoch of the newest step")
+        self.loss = later("loss", "Loss of the newest step (mean over the global batch)")
+        self.learning_rate = later("learning_rate", "Learning rate of the newest step")
+        self.samples_per_second = later("samples_per_second", "This rank's samples per second "
+                                        f"of wall time over the last {THROUGHPUT_WINDOW} steps "
+                                        "(checkpoint pauses included)")
+        self.checkpoint_size = later("checkpoint_size_bytes", "Rank 0: bytes of the newest "
+                                     "checkpoint written")
+        self.last_checkpoint_time = later("last_checkpoint_timestamp_seconds", "Rank 0: Unix "
+                                          "time the newest good checkpoint was written (saved "
+                                          "or restored)")
+        self.last_checkpoint_step = later("last_checkpoint_step", "Rank 0: step of the newest "
+                                          "good checkpoint")
+        self.rendezvous = later("rendezvous_duration_seconds", "Seconds this worker took to "
+                                "form the process group (joining the store until every rank "
+                                "arrived); the agent's rendezvous before the worker started "
+                                "is not visible to it")
+        self.to_group = later("time_to_process_group_seconds", "Seconds from the worker "
+                              "process' start to its process group being ready")
+        self.to_first_step = later("time_to_first_step_seconds", "Seconds from the worker "
+                                   "process' start to the end of its first step")
+        self.recovery = later("recovery_seconds", "Rank 0, after a restart: seconds from the "
+                              "failed incarnation's last logged event to the end of the first "
+                              "step after the restart")
+        self.lost_steps = later("lost_steps", "Rank 0, after a restart: steps done before the "
+                                "failure that are redone (newest step logged minus the step "
+                                "resumed from)")
+        ProcessCollector(registry=registry)
         self._handlers: dict[str, Callable[[Mapping[str, Any]], None]] = {
             "start": self._on_start, "step": self._on_step,
             "checkpoint_saved": self._on_saved, "checkpoint_loaded": self._on_loaded,
@@ -170,9 +188,9 @@ class WorkerMetrics:
     # ---- fed by the composition root -----------------------------------------------------
     def process_group_ready(self, rendezvous_seconds: float) -> None:
         """Record the process group's formation (call right after it is ready)."""
-        self._rendezvous.labels(**self._labels).set(rendezvous_seconds)
+        self.rendezvous.set(rendezvous_seconds)
         if self.started_at is not None:
-            self._to_group.labels(**self._labels).set(self._clock() - self.started_at)
+            self.to_group.set(self._clock() - self.started_at)
 
     def observe(self, record: Mapping[str, Any]) -> None:
         """Update the metrics from one event-log record (an ``EventObserver``)."""
@@ -210,23 +228,23 @@ class WorkerMetrics:
         if not self._first_step_seen:
             self._first_step_seen = True
             if self.started_at is not None:
-                self._to_first_step.labels(**self._labels).set(now - self.started_at)
+                self.to_first_step.set(now - self.started_at)
             if self.previous is not None:
-                self._recovery.labels(**self._labels).set(max(0.0, now - self.previous.time))
+                self.recovery.set(max(0.0, now - self.previous.time))
                 if self.previous.step is not None:
-                    self._lost_steps.labels(**self._labels).set(
-                        max(0, self.previous.step - (step - 1)))
+                    self.lost_steps.set(max(0, self.previous.step - (step - 1)))
 
     def _on_saved(self, record: Mapping[str, Any]) -> None:
         self.save_snapshot.observe(record.get("snapshot_seconds") or 0.0)
         self.save_persist.observe(record.get("persist_seconds") or 0.0)
         if record.get("bytes") is not None:
-            self._checkpoint_size.labels(**self._labels).set(record["bytes"])
+            self.checkpoint_size.set(record["bytes"])
         self._good_checkpoint(int(record["step"]), float(record["time"]))
 
     def _on_loaded(self, record: Mapping[str, Any]) -> None:
         if record.get("seconds") is not None:
             self.load_duration.observe(record["seconds"])
+        self.step.set(int(record["step"]))
         if self.rank == 0 and record.get("saved_time") is not None:
             self._good_checkpoint(int(record["step"]), float(record["saved_time"]))
 
@@ -234,5 +252,5 @@ class WorkerMetrics:
         self.skipped.inc()
 
     def _good_checkpoint(self, step: int, when: float) -> None:
-        self._last_checkpoint_step.labels(**self._labels).set(step)
-        self._last_checkpoint_time.labels(**self._labels).set(when)
+        self.last_checkpoint_step.set(step)
+        self.last_checkpoint_time.set(when)

@@ -112,7 +112,7 @@ class Progress:
 
     def _draw_live(self, step: int, record: Mapping[str, Any], now: float, last: bool) -> None:
         try:
-            width = os.get_terminal_size(self.stream.fileno()).columns
+            width = os.get_terminal_size(self.stream.fileno()).columns or 100
         except (AttributeError, ValueError, OSError):
             width = 100
         text = self._text(step, record)[: max(20, width - 1)]

@@ -246,7 +246,9 @@ def render(line: Timeline, path: Path) -> None:
     rate_t.set_xlabel(f"wall time ({unit})")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-    loss_s.legend(loc="upper right", fontsize=8)
+    for ax in (loss_s, step_s):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right" if ax is loss_s else "lower right", fontsize=8)
     legend = [plt.Line2D([], [], color="tab:green", ls=":", label="checkpoint"),
               plt.Line2D([], [], color="tab:red", ls="--", label="failure (shaded: down / "
                          "redone)"),

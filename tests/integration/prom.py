@@ -27,6 +27,10 @@ from tests.integration import harness
 DEPLOY = harness.REPO / "deploy" / "prometheus"
 
 
+def available(name: str) -> bool:
+    return shutil.which(name) is not None
+
+
 def tool(name: str) -> str:
     """The path of ``name`` (prometheus, promtool); skip, or fail under CI, when missing."""
     path = shutil.which(name)
