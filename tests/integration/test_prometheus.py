@@ -22,7 +22,7 @@ from tests.integration import harness, prom
 
 pytestmark = pytest.mark.slow
 
-STEPS, EVERY, BATCH = 120, 20, 16
+STEPS, EVERY, BATCH = 80, 20, 16
 TIMEOUT = 180
 DASHBOARD = harness.REPO / "deploy" / "grafana" / "elastic-train.json"
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration import harness
+from elastic_train import cli
+from tests.integration import harness, prom
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,8 @@ def test_readme_names_the_ci_and_demo_commands() -> None:
     assert "$(BIN)/elastic-train run --run-dir runs/demo $(ARGS)" in makefile
 
 
-def test_demo_command_trains_and_summarises(workdir: Path) -> None:
+def test_demo_command_trains_and_summarises(workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     # `make demo` runs this command; fewer steps keep the suite fast.
     job = run_readme_command("elastic-train run --run-dir runs/demo --steps 200 --preset small",
                              workdir, ["--steps", "40", "--checkpoint-every", "20"])
@@ -72,6 +74,39 @@ def test_demo_command_trains_and_summarises(workdir: Path) -> None:
         [sys.executable, "-m", "elastic_train", "checkpoints", "verify", "runs/demo"],
         cwd=workdir, capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+    # The report of that run (in this process: the command's main, in the same directory).
+    report = "elastic-train report runs/demo"
+    assert report in readme_commands()
+    monkeypatch.chdir(workdir)
+    assert cli.main(shlex.split(report)[1:]) == 0
+    assert capsys.readouterr().out.startswith("run ")
+    assert (workdir / "runs" / "demo" / "report.png").stat().st_size > 30_000
+    assert "restarts survived 0" in (workdir / "runs" / "demo" / "report.txt").read_text()
+
+
+def test_alert_rules_test_command() -> None:
+    command = next(c for c in readme_commands() if c.startswith("promtool "))
+    argv = shlex.split(command)
+    done = subprocess.run([prom.tool("promtool"), *argv[1:]], cwd=harness.REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "SUCCESS" in done.stdout + done.stderr, done.stderr
+
+
+def test_metrics_benchmark_command() -> None:
+    command = next(c for c in readme_commands() if "bench_metrics.py" in c)
+    argv = shlex.split(command)
+    assert argv[0] == "python"
+    done = subprocess.run([sys.executable, *argv[1:], "--steps", "40", "--block", "10"],
+                          cwd=harness.REPO, capture_output=True, text=True, timeout=TIMEOUT,
+                          env=harness.job_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("4 blocks of 10 steps, metrics off and on in turn (world size 1")
+    assert re.fullmatch(r"  metrics off +[\d.]+ steps/s \(median of blocks\)", lines[1])
+    assert lines[2].startswith("  metrics on ") and lines[3].startswith("  on / off ")
+    cost = re.fullmatch(r"  measured cost +[\d.]+ us of metrics per step = ([\d.]+)% of a "
+                        r"[\d.]+ ms step", lines[4])
+    assert cost and float(cost.group(1)) < 1.0, lines   # microseconds against milliseconds
 
 
 def test_plain_torchrun_command(workdir: Path) -> None:

@@ -93,7 +93,8 @@ def test_the_command_draws_a_png_and_prints_the_summary(
 def test_a_run_still_starting_and_a_session_log_without_samples(tmp_path: Path) -> None:
     just_started = [{"event": "start", "time": 1.0, "run_id": "s", "restart": 0,
                      "world_size": 2, "total_steps": None}]
-    write_report(write(tmp_path / "a", just_started))
+    assert write_report(write(tmp_path / "a", just_started), plot=False).text.startswith(
+        "run s: 0/None steps")
     session = [*just_started, *[{"event": "step", "time": 1.0 + n, "step": n, "loss": None,
                                  "world_size": 2, "restart": 0} for n in range(1, 6)]]
     report = write_report(write(tmp_path / "b", session))
