@@ -57,6 +57,7 @@ class CheckpointConfig:
     every_steps: int | None = 50
     every_seconds: float | None = None
     keep: int = 3
+    asynchronous: bool = True
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,9 @@ OPTIONS: tuple[Option, ...] = (
            "also checkpoint when this many seconds passed since the last one",
            _optional_positive_float, "SECONDS"),
     Option("--keep-checkpoints", "checkpoint", "keep", "newest valid checkpoints kept", int),
+    Option("--async-checkpoint", "checkpoint", "asynchronous",
+           "persist checkpoints on a background thread (training waits only for the copy)",
+           _bool, "BOOL"),
     Option("--backend", "distributed", "backend", "auto (gloo on CPU, nccl on CUDA), gloo, nccl"),
     Option("--collective-timeout", "distributed", "timeout_seconds",
            "seconds before a stuck collective fails the worker", float),

@@ -7,6 +7,7 @@ which readers skip. Reports and the end-of-run summary are drawn from this file 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +23,15 @@ class EventLog:
         self.path = Path(path)
         self.enabled = enabled
         self._file: TextIO | None = None
+        self._lock = threading.Lock()  # the checkpoint writer thread emits too
 
     def emit(self, event: str, **fields: Any) -> None:
         if not self.enabled:
             return
+        with self._lock:
+            self._emit(event, fields)
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
@@ -35,6 +41,10 @@ class EventLog:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._file is not None:
             self._file.flush()
             self._file.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -20,6 +21,8 @@ from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task
 from elastic_train.trainer import Trainer
 
+IMPORTED = time.time()  # start-up timeline: imports done
+
 
 def _setup_logging(rank: int) -> None:
     handler = logging.StreamHandler(sys.stderr)
@@ -28,6 +31,16 @@ def _setup_logging(rank: int) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def _name_process(rank: int) -> None:
+    """Show the rank in ps/top (``et-rank-N``); Linux only, silently skipped elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, f"et-rank-{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _record_for_agent(exc: BaseException) -> None:
@@ -48,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torchelastic's ``@record`` so that the agent (and ``elastic-train run``) can name it.
     """
     env = read_worker_env()
+    _name_process(env.rank)
     _setup_logging(env.rank)
     try:
         config = parse_job_args(sys.argv[1:] if argv is None else argv)
@@ -56,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                         config.train.seed, config.run_dir))
         group = init_group(env, config.distributed.backend, config.distributed.timeout_seconds)
-        Trainer(config, env, task, group).run()
+        marks = {"imported": IMPORTED, "group_ready": time.time()}
+        Trainer(config, env, task, group, marks=marks).run()
     except ElasticTrainError as exc:
         print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
         _record_for_agent(exc)
@@ -64,6 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         destroy_group()
     return 0
+
+
+def run_worker(*argv: str) -> None:
+    """Function entrypoint for torch's elastic launcher (``elastic-train run``'s workers).
+
+    A failure must be an exit status, not a return value, for the agent to restart.
+    """
+    code = main(list(argv))
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from elastic_train.sampler import ResumableSampler
 from elastic_train.seeding import derive_seed
 from elastic_train.summary import RunSummary, summarize
 from elastic_train.tasks.base import Task, collate
+from elastic_train.timeline import process_start_time
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Trainer:
     """Runs one incarnation of a worker: restore, train to ``steps``, final checkpoint."""
 
     def __init__(self, config: JobConfig, env: WorkerEnv, task: Task, group: Group,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, marks: dict[str, float] | None = None) -> None:
         self.config = config
         self.env = env
         self.task = task
@@ -85,6 +86,7 @@ class Trainer:
         self.events = EventLog(run_dir / EVENTS_FILE, enabled=group.rank == 0)
         self.state = TrainerState()
         self._samples_file: TextIO | None = None
+        self._marks = {"process_start": process_start_time(), **(marks or {})}
 
     # ---- building ------------------------------------------------------------------------
     def _build(self) -> None:
@@ -165,17 +167,24 @@ class Trainer:
                          world_size=self.group.world_size, total_steps=cfg.steps,
                          backend=self.group.backend, config=self.config.to_dict())
         restored = self.checkpoints.restore(self._stateful())
+        self._marks["restored"] = time.time()
         self._announce(restored)
         ddp = DistributedDataParallel(
             self.model,
             device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
         ddp.train()
+        self._marks["ddp_ready"] = time.time()
         window_start, window_losses = time.monotonic(), []
         while self.state.step < cfg.steps:
             began = time.monotonic()
             loss = self._step(ddp)
             step_seconds = time.monotonic() - began
             window_losses.append(loss)
+            if window_losses and len(window_losses) == 1 and "reported" not in self._marks:
+                self.events.emit("startup", restart=self.env.restart_count,
+                                 resumed_step=self.state.step - 1, first_step_done=time.time(),
+                                 **self._marks)
+                self._marks["reported"] = 1.0
             self.events.emit("step", step=self.state.step, loss=round(loss, 6),
                              lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
                              world_size=self.group.world_size, samples=self.state.samples_seen,
@@ -187,7 +196,8 @@ class Trainer:
                 window_start, window_losses = time.monotonic(), []
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
                 self.checkpoints.save(self.state.step, self._stateful())
-        self.checkpoints.save(self.state.step, self._stateful(), reason="final")
+        self.checkpoints.save(self.state.step, self._stateful(), reason="final", wait=True)
+        self.checkpoints.finish()
         distributed.barrier(self.group)
         self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
         return self._finish()

@@ -69,6 +69,7 @@ VALID: dict[str, tuple[str, Any]] = {
     "--checkpoint-every": ("25", 25),
     "--checkpoint-interval": ("90.5", 90.5),
     "--keep-checkpoints": ("7", 7),
+    "--async-checkpoint": ("false", False),
     "--backend": ("gloo", "gloo"),
     "--collective-timeout": ("30", 30.0),
 }

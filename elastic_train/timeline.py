@@ -1,0 +1,18 @@
+"""Wall-clock marks of a worker's start-up, for recovery measurements."""
+
+from __future__ import annotations
+
+import os
+
+
+def process_start_time() -> float | None:
+    """When this process started (epoch seconds), from /proc; None where /proc is absent."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of stat: start time in clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
