@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 def process_start_time() -> float | None:
@@ -11,8 +12,9 @@ def process_start_time() -> float | None:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         ticks = int(fields[19])  # field 22 of stat: start time in clock ticks after boot
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        # Relative to uptime (10 ms resolution), not /proc/stat's btime (whole seconds).
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None

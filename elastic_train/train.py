@@ -54,7 +54,7 @@ def _record_for_agent(exc: BaseException) -> None:
 
 
 @record
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, imported_at: float | None = None) -> int:
     """Run one worker; return its exit code (0 done, non-zero failed).
 
     Our own errors become one line and an exit code; anything unexpected is recorded by
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                         config.train.seed, config.run_dir))
         group = init_group(env, config.distributed.backend, config.distributed.timeout_seconds)
-        marks = {"imported": IMPORTED, "group_ready": time.time()}
+        marks = {"imported": imported_at or IMPORTED, "group_ready": time.time()}
         Trainer(config, env, task, group, marks=marks).run()
     except ElasticTrainError as exc:
         print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
@@ -86,7 +86,7 @@ def run_worker(*argv: str) -> None:
 
     A failure must be an exit status, not a return value, for the agent to restart.
     """
-    code = main(list(argv))
+    code = main(list(argv), imported_at=time.time())  # forked with everything imported
     if code:
         sys.exit(code)
 
