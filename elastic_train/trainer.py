@@ -175,16 +175,17 @@ class Trainer:
         ddp.train()
         self._marks["ddp_ready"] = time.time()
         window_start, window_losses = time.monotonic(), []
+        first_step = True
         while self.state.step < cfg.steps:
             began = time.monotonic()
             loss = self._step(ddp)
             step_seconds = time.monotonic() - began
             window_losses.append(loss)
-            if window_losses and len(window_losses) == 1 and "reported" not in self._marks:
+            if first_step:  # the start-up timeline, for recovery measurements
                 self.events.emit("startup", restart=self.env.restart_count,
                                  resumed_step=self.state.step - 1, first_step_done=time.time(),
                                  **self._marks)
-                self._marks["reported"] = 1.0
+                first_step = False
             self.events.emit("step", step=self.state.step, loss=round(loss, 6),
                              lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
                              world_size=self.group.world_size, samples=self.state.samples_seen,
