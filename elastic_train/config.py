@@ -66,6 +66,7 @@ class DistributedConfig:
 
     backend: str = "auto"
     timeout_seconds: float = 120.0
+    preemption_budget_seconds: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--backend", "distributed", "backend", "auto (gloo on CPU, nccl on CUDA), gloo, nccl"),
     Option("--collective-timeout", "distributed", "timeout_seconds",
            "seconds before a stuck collective fails the worker", float),
+    Option("--preemption-budget", "distributed", "preemption_budget_seconds",
+           "seconds from SIGTERM to exit, checkpoint included; keep it below the grace period",
+           float),
 )
 
 
@@ -244,6 +248,8 @@ def validate(config: JobConfig) -> JobConfig:
     _check(d.backend in ("auto", "gloo", "nccl"), "--backend", d.backend,
            "'auto', 'gloo' or 'nccl'")
     _check(d.timeout_seconds > 0, "--collective-timeout", d.timeout_seconds, "positive")
+    _check(d.preemption_budget_seconds > 0, "--preemption-budget", d.preemption_budget_seconds,
+           "a positive number of seconds")
     return config
 
 

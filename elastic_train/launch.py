@@ -169,11 +169,19 @@ def main(argv: Sequence[str]) -> int:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     apply_environment_defaults(launcher_environment_defaults())
     try:
         _launch(torchrun.parse_args(cmd), job_args, ns.worker_start)
+    except SignalException as exc:
+        # The agent passed the signal to the workers, which checkpointed and exited 0.
+        # Non-zero here so that a restart policy brings a preempted node back.
+        print(f"elastic-train: stopped by {exc.sigval.name}: the workers checkpointed at the "
+              f"step they reached; rerun the same command to resume (run dir {config.run_dir})",
+              file=sys.stderr)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         print(f"elastic-train: job failed: {first_failure_line(exc)} (run dir {config.run_dir})",
               file=sys.stderr)

@@ -31,6 +31,7 @@ from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
 from elastic_train.events import EVENTS_FILE, EventLog, read_events
+from elastic_train.preemption import StopRequest
 from elastic_train.sampler import ResumableSampler
 from elastic_train.seeding import derive_seed
 from elastic_train.summary import RunSummary, summarize
@@ -85,6 +86,7 @@ class Trainer:
         run_dir = Path(config.run_dir)
         self.events = EventLog(run_dir / EVENTS_FILE, enabled=group.rank == 0)
         self.state = TrainerState()
+        self.stop = StopRequest(config.distributed.preemption_budget_seconds)
         self._samples_file: TextIO | None = None
         self._marks = {"process_start": process_start_time(), **(marks or {})}
 
@@ -116,13 +118,15 @@ class Trainer:
                 "trainer": self.state, "sampler": self.sampler}
 
     # ---- one step ------------------------------------------------------------------------
-    def _step(self, ddp: DistributedDataParallel) -> float:
+    def _step(self, ddp: DistributedDataParallel) -> tuple[float, bool]:
+        """One optimizer step; returns (global mean loss, whether any rank asked to stop)."""
         cfg = self.config.train
         rank, world = self.group.rank, self.group.world_size
         batch = self.sampler.next_batch(cfg.batch_size)
         mine = batch.shard(rank, world)
         torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.group.device)
+        # [loss sum, stop votes]: one all-reduce carries both.
+        tally = torch.zeros(2, dtype=torch.float64, device=self.group.device)
         chunks = micro_batches(mine, cfg.micro_batch_size)
         for i, chunk in enumerate(chunks):
             inputs = collate(self.task, [self.dataset[int(j)] for j in chunk])
@@ -134,19 +138,21 @@ class Trainer:
                 # DDP averages gradients over ranks; weighting by share * world / global
                 # batch makes the result the mean over the global batch for any split.
                 (loss * (len(chunk) * world / cfg.batch_size)).backward()
-            loss_sum += loss.detach().double() * len(chunk)
+            tally[0] += loss.detach().double() * len(chunk)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        tally[1] = 1.0 if self.stop.requested else 0.0
         if world > 1:
-            dist.all_reduce(loss_sum)
+            dist.all_reduce(tally)
         self.state.step += 1
         self.state.samples_seen += cfg.batch_size
         if cfg.record_samples:
             self._record_samples(batch.epoch, batch.offset, mine)
-        return float(loss_sum.item()) / cfg.batch_size
+        loss_sum, votes = tally.tolist()
+        return loss_sum / cfg.batch_size, votes > 0
 
     def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
         if self._samples_file is None:
@@ -161,6 +167,13 @@ class Trainer:
     # ---- the run -------------------------------------------------------------------------
     def run(self) -> RunSummary | None:
         """Train to the configured step count; return the run's summary on rank 0."""
+        self.stop.install()
+        try:
+            return self._run()
+        finally:
+            self.stop.uninstall()
+
+    def _run(self) -> RunSummary | None:
         cfg = self.config.train
         self._build()
         self.events.emit("start", run_id=self.env.run_id, restart=self.env.restart_count,
@@ -178,7 +191,7 @@ class Trainer:
         first_step = True
         while self.state.step < cfg.steps:
             began = time.monotonic()
-            loss = self._step(ddp)
+            loss, stop = self._step(ddp)
             step_seconds = time.monotonic() - began
             window_losses.append(loss)
             if first_step:  # the start-up timeline, for recovery measurements
@@ -195,13 +208,26 @@ class Trainer:
                 self._progress(sum(window_losses) / len(window_losses),
                                len(window_losses) * cfg.batch_size / max(elapsed, 1e-9))
                 window_start, window_losses = time.monotonic(), []
+            if stop:
+                self._preempted()
+                break
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
                 self.checkpoints.save(self.state.step, self._stateful())
-        self.checkpoints.save(self.state.step, self._stateful(), reason="final", wait=True)
+        reason = "preemption" if stop else "final"
+        self.checkpoints.save(self.state.step, self._stateful(), reason=reason, wait=True)
         self.checkpoints.finish()
         distributed.barrier(self.group)
         self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
         return self._finish()
+
+    def _preempted(self) -> None:
+        waited = None if self.stop.received_at is None else \
+            round(time.monotonic() - self.stop.received_at, 6)
+        self.events.emit("preempted", step=self.state.step, signal=self.stop.signal_name,
+                         rank_signalled=self.stop.requested, seconds_since_signal=waited)
+        if self.group.rank == 0:
+            self._print(f"stop requested (preemption): stopping at step {self.state.step} with a "
+                        "checkpoint; rerun the same command to resume")
 
     def _announce(self, restored: Restored | None) -> None:
         if self.group.rank != 0:
