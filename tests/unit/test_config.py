@@ -72,6 +72,7 @@ VALID: dict[str, tuple[str, Any]] = {
     "--async-checkpoint": ("false", False),
     "--backend": ("gloo", "gloo"),
     "--collective-timeout": ("30", 30.0),
+    "--preemption-budget": ("12.5", 12.5),
 }
 
 
