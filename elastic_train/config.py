@@ -67,6 +67,7 @@ class DistributedConfig:
     backend: str = "auto"
     timeout_seconds: float = 120.0
     preemption_budget_seconds: float = 25.0
+    step_timeout_seconds: float | None = 600.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--backend", "distributed", "backend", "auto (gloo on CPU, nccl on CUDA), gloo, nccl"),
     Option("--collective-timeout", "distributed", "timeout_seconds",
            "seconds before a stuck collective fails the worker", float),
+    Option("--step-timeout", "distributed", "step_timeout_seconds",
+           "fail a worker whose loop completes no step for this long, naming the stuck rank "
+           "('off' to disable)", _optional_positive_float, "SECONDS"),
     Option("--preemption-budget", "distributed", "preemption_budget_seconds",
            "seconds from SIGTERM to exit, checkpoint included; keep it below the grace period",
            float),
@@ -248,6 +252,8 @@ def validate(config: JobConfig) -> JobConfig:
     _check(d.backend in ("auto", "gloo", "nccl"), "--backend", d.backend,
            "'auto', 'gloo' or 'nccl'")
     _check(d.timeout_seconds > 0, "--collective-timeout", d.timeout_seconds, "positive")
+    _check(d.step_timeout_seconds is None or d.step_timeout_seconds > 0, "--step-timeout",
+           d.step_timeout_seconds, "a positive number of seconds, or 'off'")
     _check(d.preemption_budget_seconds > 0, "--preemption-budget", d.preemption_budget_seconds,
            "a positive number of seconds")
     return config

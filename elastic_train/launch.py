@@ -59,6 +59,9 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
     p.add_argument("--redirects", default="0")
     p.add_argument("--tee", default="0")
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=None,
+                   help="seconds the agent waits after SIGTERM before it SIGKILLs a worker "
+                        "(torch's default: 30; keep it above --preemption-budget)")
     p.add_argument("--worker-start", choices=("forkserver", "subprocess"), default="forkserver",
                    help="forkserver (default): workers fork from a process that imported torch "
                         "once, so a restart skips the imports; subprocess: a fresh "
@@ -90,6 +93,8 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
         argv.append(f"--local-addr={ns.local_addr}")
     if ns.log_dir:
         argv.append(f"--log-dir={ns.log_dir}")
+    if ns.shutdown_timeout is not None:
+        argv.append(f"--shutdown-timeout={ns.shutdown_timeout}")
     return [*argv, "-m", WORKER_MODULE, *job_args]
 
 

@@ -37,6 +37,7 @@ from elastic_train.seeding import derive_seed
 from elastic_train.summary import RunSummary, summarize
 from elastic_train.tasks.base import Task, collate
 from elastic_train.timeline import process_start_time
+from elastic_train.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class Trainer:
         """One optimizer step; returns (global mean loss, whether any rank asked to stop)."""
         cfg = self.config.train
         rank, world = self.group.rank, self.group.world_size
+        self.watchdog.phase("data")
         batch = self.sampler.next_batch(cfg.batch_size)
         mine = batch.shard(rank, world)
         torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
@@ -133,12 +135,14 @@ class Trainer:
             inputs = _to_device(inputs, self.group.device)
             last = i == len(chunks) - 1
             context = ddp.no_sync() if not last and world > 1 else contextlib.nullcontext()
+            self.watchdog.phase("forward-backward")
             with context:
                 loss = self.task.loss(ddp, inputs)
                 # DDP averages gradients over ranks; weighting by share * world / global
                 # batch makes the result the mean over the global batch for any split.
                 (loss * (len(chunk) * world / cfg.batch_size)).backward()
             tally[0] += loss.detach().double() * len(chunk)
+        self.watchdog.phase("optimizer")
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
@@ -146,9 +150,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         tally[1] = 1.0 if self.stop.requested else 0.0
         if world > 1:
+            self.watchdog.phase("all-reduce of the loss")
             dist.all_reduce(tally)
         self.state.step += 1
         self.state.samples_seen += cfg.batch_size
+        self.watchdog.progress(self.state.step)
         if cfg.record_samples:
             self._record_samples(batch.epoch, batch.offset, mine)
         loss_sum, votes = tally.tolist()
@@ -187,6 +193,7 @@ class Trainer:
             device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
         ddp.train()
         self._marks["ddp_ready"] = time.time()
+        self.watchdog = self._make_watchdog().start()
         window_start, window_losses = time.monotonic(), []
         first_step = True
         while self.state.step < cfg.steps:
@@ -213,12 +220,30 @@ class Trainer:
                 break
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
                 self.checkpoints.save(self.state.step, self._stateful())
+        self.watchdog.stop()  # the final save may take long: not a stalled step
         reason = "preemption" if stop else "final"
         self.checkpoints.save(self.state.step, self._stateful(), reason=reason, wait=True)
         self.checkpoints.finish()
         distributed.barrier(self.group)
         self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
         return self._finish()
+
+    def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
+        timeout = self.config.distributed.step_timeout_seconds
+        if timeout is None:
+            return _NoWatchdog()
+        run_dir = Path(self.config.run_dir)
+
+        def report(finding: dict[str, Any]) -> None:
+            # Any rank may find the hang (rank 0 may be the stuck one): append directly.
+            log_ = EventLog(run_dir / EVENTS_FILE)
+            log_.emit("hang", restart=self.env.restart_count,
+                      **{k: v for k, v in finding.items() if k != "message"})
+            log_.close()
+            print(f"elastic_train: error: {finding['message']}", file=sys.stderr, flush=True)
+
+        store = distributed.default_store() if self.group.world_size > 1 else None
+        return StepWatchdog(store, self.group.rank, self.group.world_size, timeout, report)
 
     def _preempted(self) -> None:
         waited = None if self.stop.received_at is None else \
@@ -263,6 +288,19 @@ class Trainer:
 
     def _print(self, text: str) -> None:
         print(text, file=self.out, flush=True)
+
+
+class _NoWatchdog:
+    """Stands in when --step-timeout is off."""
+
+    def start(self) -> _NoWatchdog:
+        return self
+
+    def stop(self) -> None: ...
+
+    def phase(self, where: str) -> None: ...
+
+    def progress(self, step: int) -> None: ...
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

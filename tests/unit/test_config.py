@@ -73,6 +73,7 @@ VALID: dict[str, tuple[str, Any]] = {
     "--backend": ("gloo", "gloo"),
     "--collective-timeout": ("30", 30.0),
     "--preemption-budget": ("12.5", 12.5),
+    "--step-timeout": ("off", None),
 }
 
 
