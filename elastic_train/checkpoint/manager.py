@@ -96,7 +96,8 @@ class CheckpointManager:
             for bad in skipped:
                 aside = self.store.set_aside(bad)
                 log.warning("set %s aside as %s", bad.path, aside.name)
-            return {"step": info.step, "path": str(info.path), "world_size": info.world_size}
+            return {"step": info.step, "path": str(info.path), "world_size": info.world_size,
+                    "model_digest": info.model_digest}
         if infos:
             return {"error": f"none of the {len(infos)} checkpoints under {self.store.root} "
                     "verifies (see the warnings above): move them aside to start afresh, "
@@ -142,6 +143,7 @@ class CheckpointManager:
         self.last_saved_step = decision["step"]
         seconds = time.monotonic() - started
         self.events.emit("checkpoint_loaded", step=decision["step"], path=str(path),
+                         model_digest=decision.get("model_digest"),
                          saved_world_size=decision.get("world_size"),
                          world_size=self.group.world_size, seconds=round(seconds, 6))
         return Restored(decision["step"], path, decision.get("world_size"), seconds)
