@@ -59,6 +59,7 @@ class CheckpointConfig:
     every_steps: int | None = 50
     every_seconds: float | None = None
     keep: int = 3
+    asynchronous: bool = True
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class DistributedConfig:
 
     backend: str = "auto"
     timeout_seconds: float = 120.0
+    preemption_budget_seconds: float = 25.0
+    step_timeout_seconds: float | None = 600.0
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,18 @@ OPTIONS: tuple[Option, ...] = (
            "also checkpoint when this many seconds passed since the last one",
            _optional_positive_float, "SECONDS"),
     Option("--keep-checkpoints", "checkpoint", "keep", "newest valid checkpoints kept", int),
+    Option("--async-checkpoint", "checkpoint", "asynchronous",
+           "persist checkpoints on a background thread (training waits only for the copy)",
+           _bool, "BOOL"),
     Option("--backend", "distributed", "backend", "auto (gloo on CPU, nccl on CUDA), gloo, nccl"),
     Option("--collective-timeout", "distributed", "timeout_seconds",
            "seconds before a stuck collective fails the worker", float),
+    Option("--step-timeout", "distributed", "step_timeout_seconds",
+           "fail a worker whose loop completes no step for this long, naming the stuck rank "
+           "('off' to disable)", _optional_positive_float, "SECONDS"),
+    Option("--preemption-budget", "distributed", "preemption_budget_seconds",
+           "seconds from SIGTERM to exit, checkpoint included; keep it below the grace period",
+           float),
     Option("--metrics-port", "metrics", "port",
            "base port of the Prometheus /metrics endpoints: each worker serves PORT + its "
            "local rank (0: no metrics)", int, "PORT"),
@@ -265,6 +277,10 @@ def validate(config: JobConfig) -> JobConfig:
     _check(d.backend in ("auto", "gloo", "nccl"), "--backend", d.backend,
            "'auto', 'gloo' or 'nccl'")
     _check(d.timeout_seconds > 0, "--collective-timeout", d.timeout_seconds, "positive")
+    _check(d.step_timeout_seconds is None or d.step_timeout_seconds > 0, "--step-timeout",
+           d.step_timeout_seconds, "a positive number of seconds, or 'off'")
+    _check(d.preemption_budget_seconds > 0, "--preemption-budget", d.preemption_budget_seconds,
+           "a positive number of seconds")
     _check(0 <= m.port <= 65535, "--metrics-port", m.port, "a TCP port (0 turns metrics off)")
     _check(bool(m.address.strip()), "--metrics-address", repr(m.address),
            "an address to bind, e.g. 0.0.0.0 or 127.0.0.1")

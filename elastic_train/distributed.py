@@ -134,6 +134,14 @@ def all_true(group: Group, flag: bool) -> bool:
     return bool(vote.item())
 
 
+def default_store() -> dist.Store | None:
+    """The store the process group was formed on (for heartbeats), if torch exposes it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def destroy_group() -> None:
     """Tear the group down (after every rank finished its last collective)."""
     if dist.is_initialized():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ EventObserver = Callable[[Mapping[str, Any]], None]
 class EventLog:
     """Appends events to ``<run_dir>/events.jsonl``; a disabled log (ranks > 0) drops them.
 
-    ``observers`` are called with every record, also when the log is disabled.
+    ``observers`` are called with every record, also when the log is disabled, one record
+    at a time (under the log's lock: the checkpoint writer thread emits too).
     """
 
     def __init__(self, path: Path, enabled: bool = True,
@@ -34,10 +36,15 @@ class EventLog:
         self.enabled = enabled
         self.observers = tuple(observers)
         self._file: TextIO | None = None
+        self._lock = threading.Lock()  # the checkpoint writer thread emits too
 
     def emit(self, event: str, **fields: Any) -> None:
         if not self.enabled and not self.observers:
             return
+        with self._lock:
+            self._emit(event, fields)
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
         record = {"time": round(time.time(), 6), "event": event, **fields}
         if self.enabled:
             if self._file is None:
@@ -50,6 +57,10 @@ class EventLog:
             observer(record)
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._file is not None:
             self._file.flush()
             self._file.close()

@@ -32,6 +32,9 @@ from elastic_train.tasks.loader import load_task
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = "elastic_train.train"
+# Imported once by the forkserver; every (re)started worker is forked with them loaded.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
+                      "elastic_train.train", "elastic_train.tasks.gpt"]
 
 
 def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
@@ -62,6 +65,13 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
     p.add_argument("--redirects", default="0")
     p.add_argument("--tee", default="0")
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=None,
+                   help="seconds the agent waits after SIGTERM before it SIGKILLs a worker "
+                        "(torch's default: 30; keep it above --preemption-budget)")
+    p.add_argument("--worker-start", choices=("forkserver", "subprocess"), default="forkserver",
+                   help="forkserver (default): workers fork from a process that imported torch "
+                        "once, so a restart skips the imports; subprocess: a fresh "
+                        "'python -m elastic_train.train' each time, as torchrun does")
     return p
 
 
@@ -89,6 +99,8 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
         argv.append(f"--local-addr={ns.local_addr}")
     if ns.log_dir:
         argv.append(f"--log-dir={ns.log_dir}")
+    if ns.shutdown_timeout is not None:
+        argv.append(f"--shutdown-timeout={ns.shutdown_timeout}")
     return [*argv, "-m", WORKER_MODULE, *job_args]
 
 
@@ -131,6 +143,27 @@ def first_failure_line(exc: BaseException) -> str:
     return f"rank {rank} failed: {text}"
 
 
+def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str) -> None:
+    """Run the elastic agent in this process until the job ends."""
+    from torch.distributed import run as torchrun
+
+    if worker_start == "subprocess":
+        torchrun.run(args)
+        return
+    import multiprocessing
+
+    from torch.distributed.launcher.api import elastic_launch
+
+    from elastic_train.train import run_worker
+
+    if args.master_port is None:
+        args.master_port = 29500  # what torchrun.run() does; unused by the c10d/etcd backends
+    config, _, _ = torchrun.config_from_args(args)
+    config.start_method = "forkserver"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    elastic_launch(config, entrypoint=run_worker)(*job_args)
+
+
 def main(argv: Sequence[str]) -> int:
     """Parse, pre-flight and launch; return the exit code."""
     # Workers run ``python -m elastic_train.train`` and so import tasks from the working
@@ -152,11 +185,19 @@ def main(argv: Sequence[str]) -> int:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     apply_environment_defaults(launcher_environment_defaults())
     try:
-        torchrun.run(torchrun.parse_args(cmd))
+        _launch(torchrun.parse_args(cmd), job_args, ns.worker_start)
+    except SignalException as exc:
+        # The agent passed the signal to the workers, which checkpointed and exited 0.
+        # Non-zero here so that a restart policy brings a preempted node back.
+        print(f"elastic-train: stopped by {exc.sigval.name}: the workers checkpointed at the "
+              f"step they reached; rerun the same command to resume (run dir {config.run_dir})",
+              file=sys.stderr)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         print(f"elastic-train: job failed: {first_failure_line(exc)} (run dir {config.run_dir})",
               file=sys.stderr)

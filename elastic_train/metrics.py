@@ -12,9 +12,7 @@ checkpoint, skipped, recovery and lost-work series come from rank 0 (absent else
 
 from __future__ import annotations
 
-import os
 import platform
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,18 +48,6 @@ def check_single_process_mode(env: WorkerEnv) -> None:
             "instead: unset it for the job, or pass --metrics-port 0 to run without metrics")
 
 
-def process_start_time() -> float | None:
-    """Unix time this process started (Linux /proc), or None where that is unknown."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 class _Lazy:
     """A labelled gauge created at its first value: absent from /metrics until it is known
     (a restarted worker must not claim step 0 or a last step at time 0)."""
@@ -81,21 +67,16 @@ class WorkerMetrics:
     """The metrics of one worker process.
 
     ``batch_size`` is the global batch (this rank counts its share of it); ``previous``
-    is what rank 0 read from the event log before a restart (recovery time, lost steps);
-    ``started_at`` is the Unix time the worker process started. Nothing is served here:
-    see ``metrics_server``.
+    is what rank 0 read from the event log before a restart (recovery time, lost steps).
+    Nothing is served here: see ``metrics_server``.
     """
 
     def __init__(self, registry: CollectorRegistry, env: WorkerEnv, batch_size: int, *,
                  min_world_size: int = 0, node: str | None = None,
-                 previous: LastIncarnation | None = None,
-                 started_at: float | None = None, clock: Callable[[], float] = time.time
-                 ) -> None:
+                 previous: LastIncarnation | None = None) -> None:
         self.rank = env.rank
         self.batch_size = batch_size
         self.previous = previous
-        self.started_at = started_at
-        self._clock = clock
         self._share = 0
         self._first_step_seen = False
         self._window: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_WINDOW + 1)
@@ -131,10 +112,15 @@ class WorkerMetrics:
                                  "optimizer step (forward, backward, update, loss all-reduce)",
                                  buckets=STEP_BUCKETS)
         save = family(Histogram, "checkpoint_save_duration_seconds", "Rank 0: seconds per "
-                      "checkpoint save, by stage (snapshot: training waits; persist: "
-                      "serialise and write)", extra=("stage",), buckets=CHECKPOINT_BUCKETS)
-        self.save_snapshot = save.labels(**labels, stage="snapshot")
-        self.save_persist = save.labels(**labels, stage="persist")
+                      "checkpoint save, by stage (wait: for the previous save's persist, and "
+                      "snapshot: training waits for both; persist: serialise and write, in "
+                      "the background unless synchronous)", extra=("stage",),
+                      buckets=CHECKPOINT_BUCKETS)
+        # stage -> (histogram, the checkpoint_saved field it observes)
+        self.save_stages = {stage: (save.labels(**labels, stage=stage), field)
+                            for stage, field in (("wait", "waited_seconds"),
+                                                 ("snapshot", "snapshot_seconds"),
+                                                 ("persist", "persist_seconds"))}
         self.load_duration = now(Histogram, "checkpoint_load_duration_seconds", "Seconds to "
                                  "find, verify and load the checkpoint at a (re)start",
                                  buckets=CHECKPOINT_BUCKETS)
@@ -180,17 +166,10 @@ class WorkerMetrics:
                                 "resumed from)")
         ProcessCollector(registry=registry)
         self._handlers: dict[str, Callable[[Mapping[str, Any]], None]] = {
-            "start": self._on_start, "step": self._on_step,
+            "start": self._on_start, "startup": self._on_startup, "step": self._on_step,
             "checkpoint_saved": self._on_saved, "checkpoint_loaded": self._on_loaded,
             "checkpoint_skipped": self._on_skipped,
         }
-
-    # ---- fed by the composition root -----------------------------------------------------
-    def process_group_ready(self, rendezvous_seconds: float) -> None:
-        """Record the process group's formation (call right after it is ready)."""
-        self.rendezvous.set(rendezvous_seconds)
-        if self.started_at is not None:
-            self.to_group.set(self._clock() - self.started_at)
 
     def observe(self, record: Mapping[str, Any]) -> None:
         """Update the metrics from one event-log record (an ``EventObserver``)."""
@@ -206,6 +185,17 @@ class WorkerMetrics:
             self.target_step.set(record["total_steps"])
         start, stop = shard_bounds(self.batch_size, self.rank, world)
         self._share = stop - start
+
+    def _on_startup(self, record: Mapping[str, Any]) -> None:
+        """The trainer's start-up timeline (Unix times), logged at the first step."""
+        began, ready = record.get("group_began"), record.get("group_ready")
+        start, first = record.get("process_start"), record.get("first_step_done")
+        if began is not None and ready is not None:
+            self.rendezvous.set(ready - began)
+        if start is not None and ready is not None:
+            self.to_group.set(ready - start)
+        if start is not None and first is not None:
+            self.to_first_step.set(first - start)
 
     def _on_step(self, record: Mapping[str, Any]) -> None:
         now = float(record["time"])
@@ -227,16 +217,14 @@ class WorkerMetrics:
             self.samples_per_second.set((s1 - s0) / (t1 - t0))
         if not self._first_step_seen:
             self._first_step_seen = True
-            if self.started_at is not None:
-                self.to_first_step.set(now - self.started_at)
             if self.previous is not None:
                 self.recovery.set(max(0.0, now - self.previous.time))
                 if self.previous.step is not None:
                     self.lost_steps.set(max(0, self.previous.step - (step - 1)))
 
     def _on_saved(self, record: Mapping[str, Any]) -> None:
-        self.save_snapshot.observe(record.get("snapshot_seconds") or 0.0)
-        self.save_persist.observe(record.get("persist_seconds") or 0.0)
+        for histogram, field in self.save_stages.values():
+            histogram.observe(record.get(field) or 0.0)
         if record.get("bytes") is not None:
             self.checkpoint_size.set(record["bytes"])
         self._good_checkpoint(int(record["step"]), float(record["time"]))

@@ -24,7 +24,7 @@ from elastic_train.config import JobConfig
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import MetricsError
 from elastic_train.events import EVENTS_FILE, last_incarnation
-from elastic_train.metrics import WorkerMetrics, check_single_process_mode, process_start_time
+from elastic_train.metrics import WorkerMetrics, check_single_process_mode
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +192,7 @@ def serve_worker_metrics(config: JobConfig, env: WorkerEnv) -> WorkerEndpoint | 
         previous = last_incarnation(Path(config.run_dir) / EVENTS_FILE)
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, env, config.train.batch_size,
-                            min_world_size=settings.min_world_size, previous=previous,
-                            started_at=process_start_time())
+                            min_world_size=settings.min_world_size, previous=previous)
     server = MetricsServer(registry, settings.address, port)
     log.info("serving metrics at %s", server.url)
     return WorkerEndpoint(metrics, server)

@@ -151,7 +151,8 @@ class ElasticSession:
     def close(self) -> None:
         """Write the final checkpoint, wait for every rank, and leave the process group."""
         if self._objects:
-            self.checkpoints.save(self.step_count, self._objects, reason="final")
+            self.checkpoints.save(self.step_count, self._objects, reason="final", wait=True)
+            self.checkpoints.finish()
         distributed.barrier(self.group)
         self.events.emit("end", step=self.step_count, run_id=self.env.run_id)
         self.events.close()

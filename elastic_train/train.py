@@ -22,6 +22,8 @@ from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task
 from elastic_train.trainer import Trainer
 
+IMPORTED = time.time()  # start-up timeline: imports done
+
 
 def _setup_logging(rank: int) -> None:
     handler = logging.StreamHandler(sys.stderr)
@@ -30,6 +32,16 @@ def _setup_logging(rank: int) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def _name_process(rank: int) -> None:
+    """Show the rank in ps/top (``et-rank-N``); Linux only, silently skipped elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, f"et-rank-{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _record_for_agent(exc: BaseException) -> None:
@@ -43,13 +55,14 @@ def _record_for_agent(exc: BaseException) -> None:
 
 
 @record
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, imported_at: float | None = None) -> int:
     """Run one worker; return its exit code (0 done, non-zero failed).
 
     Our own errors become one line and an exit code; anything unexpected is recorded by
     torchelastic's ``@record`` so that the agent (and ``elastic-train run``) can name it.
     """
     env = read_worker_env()
+    _name_process(env.rank)
     _setup_logging(env.rank)
     endpoint: WorkerEndpoint | None = None
     linger = 0.0
@@ -60,12 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         endpoint = serve_worker_metrics(config, env)
         task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                         config.train.seed, config.run_dir))
-        began = time.monotonic()
+        group_began = time.time()
         group = init_group(env, config.distributed.backend, config.distributed.timeout_seconds)
-        if endpoint is not None:
-            endpoint.metrics.process_group_ready(time.monotonic() - began)
+        marks = {"imported": imported_at or IMPORTED, "group_began": group_began,
+                 "group_ready": time.time()}
         observers = [endpoint.metrics.observe] if endpoint is not None else []
-        Trainer(config, env, task, group, observers=observers).run()
+        Trainer(config, env, task, group, marks=marks, observers=observers).run()
         linger = config.metrics.linger_seconds
     except ElasticTrainError as exc:
         print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
@@ -76,6 +89,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if endpoint is not None:
             endpoint.close(linger)  # after a successful run: one last scrape of final values
     return 0
+
+
+def run_worker(*argv: str) -> None:
+    """Function entrypoint for torch's elastic launcher (``elastic-train run``'s workers).
+
+    A failure must be an exit status, not a return value, for the agent to restart.
+    """
+    code = main(list(argv), imported_at=time.time())  # forked with everything imported
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,14 @@ from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
 from elastic_train.events import EVENTS_FILE, EventLog, EventObserver, read_events
+from elastic_train.preemption import StopRequest
 from elastic_train.progress import Progress
 from elastic_train.sampler import ResumableSampler
 from elastic_train.seeding import derive_seed
 from elastic_train.summary import RunSummary, summarize
 from elastic_train.tasks.base import Task, collate
+from elastic_train.timeline import process_start_time
+from elastic_train.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,8 @@ class Trainer:
     """
 
     def __init__(self, config: JobConfig, env: WorkerEnv, task: Task, group: Group,
-                 out: TextIO | None = None, observers: Sequence[EventObserver] = ()) -> None:
+                 out: TextIO | None = None, marks: dict[str, float] | None = None,
+                 observers: Sequence[EventObserver] = ()) -> None:
         self.config = config
         self.env = env
         self.task = task
@@ -96,7 +100,9 @@ class Trainer:
         self.events = EventLog(run_dir / EVENTS_FILE, enabled=group.rank == 0,
                                observers=observers)
         self.state = TrainerState()
+        self.stop = StopRequest(config.distributed.preemption_budget_seconds)
         self._samples_file: TextIO | None = None
+        self._marks = {"process_start": process_start_time(), **(marks or {})}
 
     # ---- building ------------------------------------------------------------------------
     def _build(self) -> None:
@@ -126,37 +132,46 @@ class Trainer:
                 "trainer": self.state, "sampler": self.sampler}
 
     # ---- one step ------------------------------------------------------------------------
-    def _step(self, ddp: DistributedDataParallel) -> float:
+    def _step(self, ddp: DistributedDataParallel) -> tuple[float, bool]:
+        """One optimizer step; returns (global mean loss, whether any rank asked to stop)."""
         cfg = self.config.train
         rank, world = self.group.rank, self.group.world_size
+        self.watchdog.phase("data")
         batch = self.sampler.next_batch(cfg.batch_size)
         mine = batch.shard(rank, world)
         torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.group.device)
+        # [loss sum, stop votes]: one all-reduce carries both.
+        tally = torch.zeros(2, dtype=torch.float64, device=self.group.device)
         chunks = micro_batches(mine, cfg.micro_batch_size)
         for i, chunk in enumerate(chunks):
             inputs = collate(self.task, [self.dataset[int(j)] for j in chunk])
             inputs = _to_device(inputs, self.group.device)
             last = i == len(chunks) - 1
             context = ddp.no_sync() if not last and world > 1 else contextlib.nullcontext()
+            self.watchdog.phase("forward-backward")
             with context:
                 loss = self.task.loss(ddp, inputs)
                 # DDP averages gradients over ranks; weighting by share * world / global
                 # batch makes the result the mean over the global batch for any split.
                 (loss * (len(chunk) * world / cfg.batch_size)).backward()
-            loss_sum += loss.detach().double() * len(chunk)
+            tally[0] += loss.detach().double() * len(chunk)
+        self.watchdog.phase("optimizer")
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        tally[1] = 1.0 if self.stop.requested else 0.0
         if world > 1:
-            dist.all_reduce(loss_sum)
+            self.watchdog.phase("all-reduce of the loss")
+            dist.all_reduce(tally)
         self.state.step += 1
         self.state.samples_seen += cfg.batch_size
+        self.watchdog.progress(self.state.step)
         if cfg.record_samples:
             self._record_samples(batch.epoch, batch.offset, mine)
-        return float(loss_sum.item()) / cfg.batch_size
+        loss_sum, votes = tally.tolist()
+        return loss_sum / cfg.batch_size, votes > 0
 
     def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
         if self._samples_file is None:
@@ -171,31 +186,79 @@ class Trainer:
     # ---- the run -------------------------------------------------------------------------
     def run(self) -> RunSummary | None:
         """Train to the configured step count; return the run's summary on rank 0."""
+        self.stop.install()
+        try:
+            return self._run()
+        finally:
+            self.stop.uninstall()
+
+    def _run(self) -> RunSummary | None:
         cfg = self.config.train
         self._build()
         self.events.emit("start", run_id=self.env.run_id, restart=self.env.restart_count,
                          world_size=self.group.world_size, total_steps=cfg.steps,
                          backend=self.group.backend, config=self.config.to_dict())
         restored = self.checkpoints.restore(self._stateful())
+        self._marks["restored"] = time.time()
         self._announce(restored)
         ddp = DistributedDataParallel(
             self.model,
             device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
         ddp.train()
+        self._marks["ddp_ready"] = time.time()
+        self.watchdog = self._make_watchdog().start()
+        first_step = True
         while self.state.step < cfg.steps:
             began = time.monotonic()
-            loss = self._step(ddp)
+            loss, stop = self._step(ddp)
             step_seconds = time.monotonic() - began
+            if first_step:  # the start-up timeline, for recovery measurements
+                self.events.emit("startup", restart=self.env.restart_count,
+                                 resumed_step=self.state.step - 1, first_step_done=time.time(),
+                                 **self._marks)
+                first_step = False
             self.events.emit("step", step=self.state.step, loss=round(loss, 6),
                              lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
                              world_size=self.group.world_size, samples=self.state.samples_seen,
                              seconds=round(step_seconds, 6), restart=self.env.restart_count)
+            if stop:
+                self._preempted()
+                break
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
                 self.checkpoints.save(self.state.step, self._stateful())
-        self.checkpoints.save(self.state.step, self._stateful(), reason="final")
+        self.watchdog.stop()  # the final save may take long: not a stalled step
+        reason = "preemption" if stop else "final"
+        self.checkpoints.save(self.state.step, self._stateful(), reason=reason, wait=True)
+        self.checkpoints.finish()
         distributed.barrier(self.group)
         self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
         return self._finish()
+
+    def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
+        timeout = self.config.distributed.step_timeout_seconds
+        if timeout is None:
+            return _NoWatchdog()
+        run_dir = Path(self.config.run_dir)
+
+        def report(finding: dict[str, Any]) -> None:
+            # Any rank may find the hang (rank 0 may be the stuck one): append directly.
+            log_ = EventLog(run_dir / EVENTS_FILE)
+            log_.emit("hang", restart=self.env.restart_count,
+                      **{k: v for k, v in finding.items() if k != "message"})
+            log_.close()
+            print(f"elastic_train: error: {finding['message']}", file=sys.stderr, flush=True)
+
+        store = distributed.default_store() if self.group.world_size > 1 else None
+        return StepWatchdog(store, self.group.rank, self.group.world_size, timeout, report)
+
+    def _preempted(self) -> None:
+        waited = None if self.stop.received_at is None else \
+            round(time.monotonic() - self.stop.received_at, 6)
+        self.events.emit("preempted", step=self.state.step, signal=self.stop.signal_name,
+                         rank_signalled=self.stop.requested, seconds_since_signal=waited)
+        if self.group.rank == 0:
+            self._print(f"stop requested (preemption): stopping at step {self.state.step} with a "
+                        "checkpoint; rerun the same command to resume")
 
     def _announce(self, restored: Restored | None) -> None:
         if self.group.rank != 0:
@@ -228,6 +291,19 @@ class Trainer:
             self.progress.message(text)
         else:
             print(text, file=self.out, flush=True)
+
+
+class _NoWatchdog:
+    """Stands in when --step-timeout is off."""
+
+    def start(self) -> _NoWatchdog:
+        return self
+
+    def stop(self) -> None: ...
+
+    def phase(self, where: str) -> None: ...
+
+    def progress(self, step: int) -> None: ...
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

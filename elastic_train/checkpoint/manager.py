@@ -1,9 +1,10 @@
 """When to checkpoint, rank-0 save (snapshot, then persist), and barrier-guarded restore.
 
-Save is split in two stages: a *snapshot* copies every state dict to host memory (the only
-part training must wait for), and a *persist* serialises, checksums and atomically writes it
-(see storage.py). Both run synchronously today; the split is where an asynchronous persist
-goes in.
+Save is split in two stages: a *snapshot* copies every state dict into reused host buffers
+(the only part training waits for), and a *persist* serialises, checksums and atomically
+writes it (storage.py) on a background thread, at most one in flight. A failed background
+write is logged, counted and recorded as an event; the checkpoints already on disk stay.
+The final checkpoint is persisted in the foreground, so a run never ends without it.
 
 Restore is the same on every rank and in the same order: rank 0 removes leftovers of torn
 saves, finds the newest checkpoint that verifies (skipping corrupt ones with a warning and
@@ -18,11 +19,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from elastic_train import distributed
+from elastic_train.checkpoint.persister import BackgroundPersister
+from elastic_train.checkpoint.snapshot import SnapshotBuffers, Stateful
 from elastic_train.checkpoint.storage import (
     CheckpointInfo,
     CheckpointStore,
@@ -38,12 +39,6 @@ from elastic_train.events import EventLog
 log = logging.getLogger(__name__)
 
 
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
-
-
 @dataclass(frozen=True)
 class Restored:
     """The checkpoint every rank loaded."""
@@ -55,18 +50,8 @@ class Restored:
 
 
 def snapshot_state(objects: Mapping[str, Stateful]) -> dict[str, Any]:
-    """Copy every object's state dict, tensors to fresh host memory, so training may go on."""
-
-    def copy(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.detach().to("cpu", copy=True)
-        if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(copy(v) for v in value)
-        return value
-
-    return {name: copy(obj.state_dict()) for name, obj in objects.items()}
+    """A one-off snapshot into fresh buffers (the manager reuses its own)."""
+    return SnapshotBuffers().copy(objects)
 
 
 class CheckpointManager:
@@ -80,8 +65,11 @@ class CheckpointManager:
         self.events = events
         self.meta = dict(meta or {})
         self.saved = 0
+        self.failures = 0
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
+        self._buffers = SnapshotBuffers()
+        self._persister = BackgroundPersister()
 
     # ---- restore -------------------------------------------------------------------------
     def _choose(self, shapes: Mapping[str, list[Any]]) -> dict[str, Any]:
@@ -109,7 +97,7 @@ class CheckpointManager:
                 aside = self.store.set_aside(bad)
                 log.warning("set %s aside as %s", bad.path, aside.name)
             return {"step": info.step, "path": str(info.path), "world_size": info.world_size,
-                    "time": info.time}
+                    "model_digest": info.model_digest, "time": info.time}
         if infos:
             return {"error": f"none of the {len(infos)} checkpoints under {self.store.root} "
                     "verifies (see the warnings above): move them aside to start afresh, "
@@ -155,6 +143,7 @@ class CheckpointManager:
         self.last_saved_step = decision["step"]
         seconds = time.monotonic() - started
         self.events.emit("checkpoint_loaded", step=decision["step"], path=str(path),
+                         model_digest=decision.get("model_digest"),
                          saved_world_size=decision.get("world_size"),
                          saved_time=decision.get("time"),
                          world_size=self.group.world_size, seconds=round(seconds, 6))
@@ -171,27 +160,64 @@ class CheckpointManager:
         interval = self.policy.every_seconds
         return interval is not None and time.monotonic() - self._last_save_time >= interval
 
-    def save(self, step: int, objects: Mapping[str, Stateful], reason: str = "periodic"
-             ) -> CheckpointInfo | None:
-        """Rank 0 writes checkpoint ``step``; other ranks return at once."""
-        if self.group.rank != 0 or step == self.last_saved_step:
-            return None
+    def save(self, step: int, objects: Mapping[str, Stateful], reason: str = "periodic",
+             wait: bool = False) -> None:
+        """Rank 0 snapshots the state and persists it; other ranks return at once.
+
+        Training waits only for the snapshot: the persist runs in the background unless
+        ``wait`` (the final checkpoint) or the policy is synchronous. A snapshot waits for
+        the previous persist only while that one is still running, and says so.
+        """
+        if self.group.rank != 0:
+            return
+        waited = self._finish_pending()
+        if step == self.last_saved_step:
+            return
         started = time.monotonic()
-        snapshot = snapshot_state(objects)
-        snapshotted = time.monotonic()
-        info = self.persist(step, snapshot)
-        persisted = time.monotonic()
-        self._last_save_time = persisted
-        self.last_saved_step = step
-        self.saved += 1
-        self.events.emit("checkpoint_saved", step=step, path=str(info.path), reason=reason,
-                         bytes=info.size_bytes, model_digest=info.model_digest,
-                         snapshot_seconds=round(snapshotted - started, 6),
-                         persist_seconds=round(persisted - snapshotted, 6))
-        return info
+        snapshot = self._buffers.copy(objects)
+        snapshot_seconds = time.monotonic() - started
+        self._last_save_time = time.monotonic()
+
+        def persist() -> None:
+            began = time.monotonic()
+            info = self.persist(step, snapshot)
+            self.last_saved_step = step
+            self.saved += 1
+            self.events.emit("checkpoint_saved", step=step, path=str(info.path), reason=reason,
+                             bytes=info.size_bytes, model_digest=info.model_digest,
+                             snapshot_seconds=round(snapshot_seconds, 6),
+                             persist_seconds=round(time.monotonic() - began, 6),
+                             waited_seconds=round(waited, 6))
+
+        if wait or not self.policy.asynchronous:
+            persist()
+        else:
+            self._persister.submit(step, persist)
+
+    def _finish_pending(self, report_wait: bool = True) -> float:
+        """Wait for the persist in flight, report a failure; return the seconds waited."""
+        busy = self._persister.busy
+        started = time.monotonic()
+        result = self._persister.wait()
+        waited = time.monotonic() - started if busy else 0.0
+        if report_wait and busy and waited > 0.001:
+            log.warning("checkpoint save waited %.3fs for the previous persist (step %s) to "
+                        "finish: checkpoints are due faster than the disk writes them",
+                        waited, result.step if result else "?")
+            self.events.emit("checkpoint_waited", seconds=round(waited, 6),
+                             step=result.step if result else None)
+        if result is not None and result.error is not None:
+            self.failures += 1
+            log.error("checkpoint %d was not written: %s", result.step, result.error)
+        return waited
+
+    def finish(self) -> None:
+        """Wait for the persist in flight (shutdown)."""
+        if self.group.rank == 0:
+            self._finish_pending(report_wait=False)
 
     def persist(self, step: int, snapshot: Mapping[str, Any]) -> CheckpointInfo:
-        """Write a snapshot atomically, then apply retention."""
+        """Write a snapshot atomically, then apply retention (raises CheckpointError)."""
         model_state = snapshot["model"]
         meta = {
             **self.meta,

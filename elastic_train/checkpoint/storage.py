@@ -99,11 +99,16 @@ class _HashingWriter:
         self._file = file
         self.sha256 = hashlib.sha256()
         self.bytes = 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
         self.bytes += len(data)
-        return self._file.write(data)
+        try:
+            return self._file.write(data)
+        except OSError as exc:  # torch.save reports it as a bare RuntimeError: keep the cause
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self._file.flush()
@@ -182,7 +187,12 @@ class CheckpointStore:
             hook("tmp-created")
             with open(tmp / PAYLOAD, "wb") as f:
                 writer = _HashingWriter(f)
-                torch.save(dict(payload), writer)
+                try:
+                    torch.save(dict(payload), writer)
+                except RuntimeError:
+                    if writer.error is not None:
+                        raise writer.error from None
+                    raise
                 hook("payload-written")
                 f.flush()
                 os.fsync(f.fileno())

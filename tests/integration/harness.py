@@ -146,7 +146,7 @@ class Job:
     def stop(self) -> None:
         """Kill the agent and its workers (torchrun starts each worker in its own session)."""
         if self.proc.poll() is None:
-            for pid in workers_of(self.proc.pid).values():
+            for pid in _descendants(self.proc.pid):
                 _kill_group(pid)
             _kill_group(self.proc.pid)
             self.proc.wait(timeout=30)
@@ -186,13 +186,38 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def workers_of(agent_pid: int) -> dict[int, int]:
-    """Worker processes (children carrying RANK) of a torchrun agent."""
+    """{rank: pid} of a torchrun agent's worker processes.
+
+    Workers started as subprocesses carry RANK in their environment; workers forked from a
+    forkserver (``elastic-train run``) name themselves ``et-rank-N``.
+    """
     found = {}
-    for pid in _children(agent_pid):
+    for pid in _descendants(agent_pid):
+        name = _comm(pid)
+        if name.startswith("et-rank-"):
+            found[int(name.removeprefix("et-rank-"))] = pid
+            continue
         env = _environ(pid)
-        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
-            found[int(env["RANK"])] = pid
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env and "TORCHELASTIC_USE_AGENT_STORE" in env:
+            found.setdefault(int(env["RANK"]), pid)
     return found
 
 

@@ -56,3 +56,36 @@ def test_rerunning_a_finished_run_trains_nothing(tmp_path: Path) -> None:
     last_start = max(i for i, e in enumerate(events) if e["event"] == "start")
     assert not [e for e in events[last_start:] if e["event"] in ("step", "checkpoint_saved")]
     assert harness.final_digest(run_dir) == before
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_failed_writes_are_reported_and_keep_the_last_good_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert train(run_dir, "--steps", "20", "--checkpoint-every", "10").returncode == 0
+    listing_before = harness.checkpoint_listing(run_dir)
+    # Resume with a file-size limit below one payload: every save now fails in the OS.
+    result = subprocess.run(
+        [sys.executable, "-m", "elastic_train.train", "--run-dir", str(run_dir),
+         "--preset", "tiny", "--batch-size", "16", "--steps", "40", "--checkpoint-every", "10"],
+        capture_output=True, text=True, timeout=180, env=harness.job_env(),
+        preexec_fn=_limit_file_size(256 * 1024))
+    assert result.returncode == 1
+    assert "checkpoint 30 was not written" in result.stderr      # background failure reported
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("elastic_train: error: could not write checkpoint 40 under ")
+    assert "File too large" in last and "the previous checkpoints are intact" in last
+    events = list(read_events(run_dir / "events.jsonl"))
+    assert [e["step"] for e in events if e["event"] == "checkpoint_failed"] == [30, 40]
+    assert max(e["step"] for e in events if e["event"] == "step") == 40  # training went on
+    assert harness.checkpoint_listing(run_dir) == listing_before        # nothing lost
+    assert all(row["valid"] for row in listing_before)
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))

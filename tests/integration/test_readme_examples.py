@@ -93,7 +93,7 @@ def test_alert_rules_test_command() -> None:
 
 
 def test_metrics_benchmark_command() -> None:
-    command = next(c for c in readme_commands() if "bench_metrics.py" in c)
+    command = next(c for c in readme_commands() if "metrics_overhead.py" in c)
     argv = shlex.split(command)
     assert argv[0] == "python"
     done = subprocess.run([sys.executable, *argv[1:], "--steps", "40", "--block", "10"],

@@ -43,20 +43,20 @@ def test_values_follow_the_records_of_a_restarted_rank0() -> None:
     registry = CollectorRegistry()
     env = WorkerEnv(rank=0, world_size=2, restart_count=1, max_restarts=3, run_id="r")
     metrics = WorkerMetrics(registry, env, batch_size=15, node="n", min_world_size=2,
-                            previous=LastIncarnation(time=100.0, step=27), started_at=90.0,
-                            clock=lambda: 95.0)
+                            previous=LastIncarnation(time=100.0, step=27))
     rank0 = {"rank": "0"}
     assert value(registry, "elastic_train_step", **rank0) is None   # not known yet
     assert value(registry, "elastic_train_steps_total", **rank0) == 0
-    metrics.process_group_ready(1.5)
     feed(metrics,
          {"event": "start", "time": 96.0, "world_size": 2, "total_steps": 40, "restart": 1},
          {"event": "checkpoint_skipped", "time": 96.5, "step": 25},
          {"event": "checkpoint_loaded", "time": 97.0, "step": 20, "seconds": 0.25,
           "saved_time": 80.0},
+         {"event": "startup", "time": 100.5, "process_start": 90.0, "group_began": 93.5,
+          "group_ready": 95.0, "first_step_done": 100.5},
          *[step(n, 100.0 + (n - 20) * 0.5) for n in range(21, 31)],
          {"event": "checkpoint_saved", "time": 106.0, "step": 30, "bytes": 1234,
-          "snapshot_seconds": 0.01, "persist_seconds": 0.2})
+          "snapshot_seconds": 0.01, "persist_seconds": 0.2, "waited_seconds": 0.03})
     expected = {
         "elastic_train_steps_total": 10, "elastic_train_samples_total": 80,  # 8 of every 15
         "elastic_train_step": 30, "elastic_train_target_step": 40,
@@ -82,7 +82,7 @@ def test_values_follow_the_records_of_a_restarted_rank0() -> None:
         assert value(registry, name, **rank0) == pytest.approx(want), name
     assert value(registry, "elastic_train_step_duration_seconds_bucket", le="0.1",
                  **rank0) == 10
-    for stage, seconds in (("snapshot", 0.01), ("persist", 0.2)):
+    for stage, seconds in (("wait", 0.03), ("snapshot", 0.01), ("persist", 0.2)):
         assert value(registry, "elastic_train_checkpoint_save_duration_seconds_count",
                      stage=stage, **rank0) == 1
         assert value(registry, "elastic_train_checkpoint_save_duration_seconds_sum",
@@ -246,9 +246,10 @@ def test_promtool_finds_nothing_to_lint(tmp_path: Path) -> None:
 
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, WorkerEnv(restart_count=1, run_id="r"), batch_size=2,
-                            previous=LastIncarnation(1.0, 3), started_at=0.5)
-    metrics.process_group_ready(0.1)
+                            previous=LastIncarnation(1.0, 3))
     feed(metrics, {"event": "start", "time": 1.0, "world_size": 1, "total_steps": 9},
+         {"event": "startup", "time": 2.0, "process_start": 0.5, "group_began": 0.8,
+          "group_ready": 0.9, "first_step_done": 2.0},
          {"event": "checkpoint_loaded", "time": 1.5, "step": 2, "seconds": 0.1,
           "saved_time": 0.2}, step(3, 2.0),
          {"event": "checkpoint_saved", "time": 2.5, "step": 3, "bytes": 10,

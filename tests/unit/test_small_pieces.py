@@ -431,7 +431,8 @@ def _manager(tmp_path: Path, every_steps: int | None, every_seconds: float | Non
 
 
 def _save(manager: CheckpointManager, step: int) -> None:
-    assert manager.save(step, {"model": torch.nn.Linear(2, 2)}) is not None
+    manager.save(step, {"model": torch.nn.Linear(2, 2)}, wait=True)
+    assert manager.last_saved_step == step
 
 
 def test_due_every_n_steps(tmp_path: Path, clock: FakeClock) -> None:
@@ -472,7 +473,8 @@ def test_both_policies_and_neither(tmp_path: Path, clock: FakeClock) -> None:
 def test_a_second_save_of_the_same_step_does_nothing(tmp_path: Path, clock: FakeClock) -> None:
     manager = _manager(tmp_path, every_steps=5, every_seconds=None)
     _save(manager, 5)
-    assert manager.save(5, {"model": torch.nn.Linear(2, 2)}) is None
+    manager.save(5, {"model": torch.nn.Linear(2, 2)})
+    manager.finish()
     assert manager.saved == 1
     assert [i.step for i in manager.store.list()] == [5]
 

@@ -1,6 +1,6 @@
 """What the Prometheus metrics cost: steps/s with metrics on and off, interleaved in one run.
 
-    python scripts/bench_metrics.py [--steps 1000] [--block 10] [--scrape-interval 1]
+    python benchmarks/metrics_overhead.py [--steps 1000] [--block 10] [--scrape-interval 1]
                                     [job options, e.g. --preset small --batch-size 32]
 
 One real training run (the built-in trainer; a world of one, or every rank under torchrun)

@@ -1,0 +1,63 @@
+"""Preemption: SIGTERM (what Kubernetes and spot instances send) becomes a clean stop.
+
+The handler only sets a flag. The trainer folds the flag into the collective it already
+does each step, so every rank learns of a stop request at the same step boundary (a vote,
+not a race), rank 0 writes a checkpoint, and all exit 0. A watchdog bounds the whole stop
+by a budget chosen below the grace period: past it the process exits at once, non-zero,
+and the last good checkpoint stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+
+class StopRequest:
+    """Turns the given signals into a flag and starts the budget watchdog on the first one."""
+
+    def __init__(self, budget_seconds: float, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.budget_seconds = budget_seconds
+        self.signals = signals
+        self.signal_name: str | None = None
+        self.received_at: float | None = None
+        self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.received_at is not None
+
+    def install(self) -> StopRequest:
+        """Install the handlers (main thread only)."""
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received_at is not None:
+            return
+        self.received_at = time.monotonic()
+        self.signal_name = signal.Signals(signum).name
+        self._watchdog = threading.Timer(self.budget_seconds, self._overrun)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _overrun(self) -> None:
+        log.error("%s: the stop did not finish within the %.1fs preemption budget; exiting "
+                  "now without a new checkpoint (the last good one stays)", self.signal_name,
+                  self.budget_seconds)
+        os._exit(1)

@@ -1,0 +1,72 @@
+"""Preemption: SIGTERM stops every rank at the same step with a checkpoint; nothing is lost.
+
+After the stop, rerunning the same command resumes from the preemption checkpoint and ends
+with the weights of a run that was never stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from elastic_train.events import read_events
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+JOB = ["--preset", "tiny", "--batch-size", "64", "--steps", "30", "--checkpoint-every", "50",
+       "--log-every", "10", "--task-opt", "dropout=0.1"]
+TIMEOUT = 180
+
+
+@pytest.fixture(scope="module")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    job = harness.torchrun(run_dir, JOB, max_restarts=0)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    return harness.final_digest(run_dir)
+
+
+@pytest.mark.parametrize("target", ["agent", "worker"])
+def test_sigterm_stops_cleanly_and_the_rerun_loses_no_step(target: str, reference_digest: str,
+                                                           tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    if target == "agent":  # as Kubernetes does: SIGTERM to the container's main process
+        job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "0"])
+    else:
+        job = harness.torchrun(run_dir, JOB, max_restarts=0)
+    try:
+        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 12, timeout=TIMEOUT)
+        if target == "agent":
+            os.kill(job.proc.pid, signal.SIGTERM)
+        else:
+            job.kill_worker(1, signal.SIGTERM)
+        job.wait(60)
+    finally:
+        job.stop()
+    events = list(read_events(run_dir / "events.jsonl"))
+    (preempted,) = [e for e in events if e["event"] == "preempted"]
+    stopped_at = preempted["step"]
+    assert 12 <= stopped_at < 30
+    last_step = max(e["step"] for e in events if e["event"] == "step")
+    assert last_step == stopped_at                        # every rank stopped at one boundary
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert [(e["step"], e["reason"]) for e in saved] == [(stopped_at, "preemption")]
+    out = job.output()
+    assert "stop requested (preemption): stopping at step" in out
+    assert "Traceback" not in out
+    if target == "agent":
+        assert job.proc.returncode == 143
+        assert "elastic-train: stopped by SIGTERM: the workers checkpointed" in out
+    else:
+        assert job.proc.returncode == 0                   # the agent saw every worker exit 0
+
+    rerun = harness.torchrun(run_dir, JOB, max_restarts=0)
+    assert rerun.wait(TIMEOUT) == 0, rerun.report()
+    loaded = [e["step"] for e in read_events(run_dir / "events.jsonl")
+              if e["event"] == "checkpoint_loaded"]
+    assert loaded == [stopped_at]                         # no step lost
+    assert harness.final_digest(run_dir) == reference_digest

@@ -1,0 +1,126 @@
+"""Asynchronous persist: training waits only for the snapshot; failures are reported."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic_train.checkpoint.manager import CheckpointManager
+from elastic_train.checkpoint.snapshot import SnapshotBuffers
+from elastic_train.checkpoint.storage import CheckpointStore, model_digest
+from elastic_train.config import CheckpointConfig
+from elastic_train.distributed import Group
+from elastic_train.errors import CheckpointError
+from elastic_train.events import EventLog, read_events
+
+GROUP = Group(0, 1, "gloo", torch.device("cpu"))
+
+
+class GatedStore(CheckpointStore):
+    """A real store whose writes wait for a gate, or fail like a full disk."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.fail_with: OSError | None = None
+
+    def write(self, step: int, payload: Any, meta: Any, **kw: Any):  # type: ignore[override]
+        self.entered.set()
+        assert self.gate.wait(timeout=30), "test gate never opened"
+        if self.fail_with is not None:
+            raise self.fail_with
+        return super().write(step, payload, meta, **kw)
+
+
+def make(tmp_path: Path) -> tuple[CheckpointManager, GatedStore, Path]:
+    store = GatedStore(tmp_path / "checkpoints")
+    events_path = tmp_path / "events.jsonl"
+    manager = CheckpointManager(store, GROUP, CheckpointConfig(every_steps=1, keep=5),
+                                EventLog(events_path))
+    return manager, store, events_path
+
+
+def events(path: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(path) if e["event"] == kind]
+
+
+def test_save_returns_before_the_persist_and_the_snapshot_is_isolated(tmp_path: Path) -> None:
+    manager, store, events_path = make(tmp_path)
+    model = torch.nn.Linear(4, 4)
+    before = model_digest(model.state_dict())
+    store.gate.clear()
+    manager.save(1, {"model": model})
+    assert store.entered.wait(10)
+    assert manager._persister.busy                      # persisting in the background
+    with torch.no_grad():
+        model.weight.add_(1.0)                          # training goes on meanwhile
+    store.gate.set()
+    manager.finish()
+    (info,) = store.list()
+    assert info.model_digest == before                  # what was saved is the snapshot
+    assert store.verify(info).valid
+    (saved,) = events(events_path, "checkpoint_saved")
+    assert saved["step"] == 1 and saved["snapshot_seconds"] >= 0
+
+
+def test_a_snapshot_waits_only_while_the_previous_persist_runs(tmp_path: Path) -> None:
+    manager, store, events_path = make(tmp_path)
+    model = torch.nn.Linear(4, 4)
+    store.gate.clear()
+    manager.save(1, {"model": model})
+    assert store.entered.wait(10)
+    threading.Timer(0.2, store.gate.set).start()
+    manager.save(2, {"model": model})                   # must wait for step 1's persist
+    manager.finish()
+    (waited,) = events(events_path, "checkpoint_waited")
+    assert waited["step"] == 1 and waited["seconds"] >= 0.1
+    assert [i.step for i in store.list()] == [2, 1]
+    manager.save(3, {"model": model})                   # nothing in flight: no wait
+    manager.finish()
+    assert len(events(events_path, "checkpoint_waited")) == 1
+
+
+def test_a_failed_background_write_is_reported_and_keeps_the_last_good(tmp_path: Path) -> None:
+    manager, store, events_path = make(tmp_path)
+    model = torch.nn.Linear(4, 4)
+    manager.save(1, {"model": model}, wait=True)
+    good = store.list()[0]
+    store.fail_with = OSError(28, "No space left on device")
+    manager.save(2, {"model": model})                   # returns: training is not stopped
+    manager.finish()
+    assert manager.failures == 1
+    assert manager.last_saved_step == 1
+    (failed,) = events(events_path, "checkpoint_failed")
+    assert failed["step"] == 2 and "No space left" in failed["error"]
+    assert [i.step for i in store.list()] == [1]
+    assert store.verify(good).valid
+    assert not store.leftovers()
+    # The final checkpoint is persisted in the foreground: its failure stops the run.
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint 3 .*No space left "
+                       r"on device.*the previous checkpoints are intact"):
+        manager.save(3, {"model": model}, wait=True)
+    store.fail_with = None
+    manager.save(3, {"model": model}, wait=True)        # and a retry succeeds
+    assert [i.step for i in store.list()] == [3, 1]
+
+
+def test_snapshot_buffers_are_reused() -> None:
+    buffers = SnapshotBuffers()
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    first = buffers.copy({"model": model, "optimizer": optimizer})
+    allocated = buffers.bytes_allocated
+    second = buffers.copy({"model": model, "optimizer": optimizer})
+    assert buffers.bytes_allocated == allocated > 0
+    assert second["model"]["weight"].data_ptr() == first["model"]["weight"].data_ptr()
+    assert second["model"]["weight"].data_ptr() != model.weight.data_ptr()
+    assert torch.equal(second["optimizer"]["state"][0]["exp_avg"],
+                       optimizer.state_dict()["state"][0]["exp_avg"])
