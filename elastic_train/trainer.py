@@ -207,7 +207,7 @@ class Trainer:
         ddp.train()
         self._marks["ddp_ready"] = time.time()
         self.watchdog = self._make_watchdog().start()
-        first_step = True
+        first_step, stop = True, False   # a resume at the last step runs no step at all
         while self.state.step < cfg.steps:
             began = time.monotonic()
             loss, stop = self._step(ddp)
