@@ -186,8 +186,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--metrics-address", "metrics", "address",
            "address the /metrics endpoints bind (0.0.0.0: every interface)", str, "ADDR"),
     Option("--metrics-linger", "metrics", "linger_seconds",
-           "after the run, wait up to this many seconds for one more scrape so the final "
-           "values reach Prometheus (0: exit at once)", float, "SECONDS"),
+           "after a finished run, wait up to this many seconds for one more scrape so the "
+           "final values reach Prometheus (0: exit at once)", float, "SECONDS"),
     Option("--min-world-size", "metrics", "min_world_size",
            "world size below which the job counts as degraded: exported for the alert "
            "(0: not set)", int, "N"),

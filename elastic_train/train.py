@@ -78,8 +78,10 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         marks = {"imported": imported_at or IMPORTED, "group_began": group_began,
                  "group_ready": time.time()}
         observers = [endpoint.metrics.observe] if endpoint is not None else []
-        Trainer(config, env, task, group, marks=marks, observers=observers).run()
-        linger = config.metrics.linger_seconds
+        trainer = Trainer(config, env, task, group, marks=marks, observers=observers)
+        trainer.run()
+        if trainer.state.step >= config.train.steps:   # not after a preemption: no time
+            linger = config.metrics.linger_seconds
     except ElasticTrainError as exc:
         print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
         _record_for_agent(exc)
@@ -87,7 +89,7 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
     finally:
         destroy_group()
         if endpoint is not None:
-            endpoint.close(linger)  # after a successful run: one last scrape of final values
+            endpoint.close(linger)  # after a finished run: one last scrape of final values
     return 0
 
 
