@@ -26,6 +26,8 @@ class WorkerEnv:
     master_port: int | None = None
     use_agent_store: bool = False
     under_torchrun: bool = False
+    group_world_size: int = 1
+    rendezvous_seconds: float | None = None
 
     @property
     def is_rank0(self) -> bool:
@@ -47,6 +49,18 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
         raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
 
 
+# Set by ``elastic-train run`` in its agent's environment after each rendezvous, so the
+# workers it spawns next inherit how long their rendezvous took (see rendezvous/timing.py).
+RENDEZVOUS_SECONDS = "ELASTIC_TRAIN_RENDEZVOUS_SECONDS"
+
+
+def _seconds(environ: Mapping[str, str], key: str) -> float | None:
+    try:
+        return float(environ[key])
+    except (KeyError, ValueError):
+        return None
+
+
 def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     """Read RANK, WORLD_SIZE, TORCHELASTIC_* and MASTER_* into a WorkerEnv."""
     env = os.environ if environ is None else environ
@@ -64,6 +78,8 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         master_port=port or None,
         use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         under_torchrun="TORCHELASTIC_RUN_ID" in env,
+        group_world_size=_int(env, "GROUP_WORLD_SIZE", 1),
+        rendezvous_seconds=_seconds(env, RENDEZVOUS_SECONDS),
     )
 
 
@@ -74,6 +90,11 @@ def launcher_environment_defaults() -> dict[str, str]:
     c10d store, so keys of a dead incarnation cannot mislead the next one (FIELD-NOTES).
     """
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def set_for_workers(key: str, value: str) -> None:
+    """Set a variable in this (agent) process, which the workers it spawns next inherit."""
+    os.environ[key] = value
 
 
 def apply_environment_defaults(defaults: Mapping[str, str]) -> None:

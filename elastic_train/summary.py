@@ -39,6 +39,29 @@ class RunSummary:
         ]
 
 
+def _newest_launch(records: list[dict[str, Any]], run_id: str | None) -> tuple[int, int]:
+    """[begin, end) of the newest launch of ``run_id`` in the log.
+
+    A launch begins at a ``start`` of the run that follows the run's ``end`` (or another
+    run's start, or nothing); every other start of the run continues it — a restart after
+    a failure, or a resize: in a multi-node job, rank 0 may live on an agent that just
+    joined and has restarted nothing, so a restart count of 0 alone does not mean a new
+    launch. It ends at the next start of another run.
+    """
+    begin, closed = -1, True
+    for i, e in enumerate(records):
+        if e["event"] == "end":
+            closed = True
+        elif e["event"] == "start":
+            if e.get("run_id") != run_id:
+                closed = True
+            elif closed:
+                begin, closed = i, False
+    end = next((i for i in range(begin + 1, len(records)) if records[i]["event"] == "start"
+                and records[i].get("run_id") != run_id), len(records))
+    return begin, end
+
+
 def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> RunSummary:
     """Summarise the newest launch of ``run_id`` (or of the newest run in the log)."""
     records = list(events)
@@ -47,12 +70,7 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
     if not starts:
         return RunSummary(run_id, 0, None, None, None, 0, 0, 0, 0, ())
     run_id = records[starts[-1]].get("run_id")
-    mine = [i for i in starts if records[i].get("run_id") == run_id]
-    fresh = [i for i in mine if records[i].get("restart", 0) == 0]
-    begin = fresh[-1] if fresh else mine[0]
-    end = next((i for i in range(begin + 1, len(records)) if records[i]["event"] == "start"
-                and (records[i].get("run_id") != run_id or records[i].get("restart", 0) == 0)),
-               len(records))
+    begin, end = _newest_launch(records, run_id)
     segment = records[begin:end]
     steps = [e for e in segment if e["event"] == "step"]
     seen: set[int] = set()

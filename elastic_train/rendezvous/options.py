@@ -31,7 +31,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "close_timeout": (30.0, "seconds to mark the rendezvous closed at the end"),
     "heartbeat_timeout": (5.0, "seconds one keep-alive heartbeat may take"),
     "keep_alive_interval": (2.0, "seconds between a node's heartbeats"),
-    "keep_alive_max_attempt": (3, "missed heartbeats after which a node counts as dead"),
+    "keep_alive_max_attempt": (4, "heartbeat intervals after which a silent node counts as "
+                               "dead (at least 2 + 3 s / keep_alive_interval)"),
     "read_timeout": (60.0, "seconds a store read waits for another agent's key"),
     "request_timeout": (10.0, "seconds one request to etcd may take"),
     "state_ttl": (7200, "seconds the keys outlive their last write (0: forever)"),
@@ -55,12 +56,12 @@ def _number(config: Mapping[str, Any], name: str, kind: type) -> Any:
     return value
 
 
-def parse_endpoint(text: str, protocol: str | None) -> Endpoint:
+def parse_endpoint(text: str, protocol: str | None, backend: str = "etcd-v3") -> Endpoint:
     """``HOST[:PORT]`` or ``http(s)://HOST[:PORT]``; the port defaults to 2379."""
     text = (text or "").strip()
     if not text:
-        raise RendezvousConfigError("--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT "
-                                    "of an etcd server")
+        raise RendezvousConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint "
+                                    "HOST:PORT of an etcd server")
     scheme, sep, rest = text.partition("://")
     if not sep:
         scheme, rest = "", text
@@ -88,6 +89,26 @@ def _port(text: str, endpoint: str) -> int:
         raise RendezvousConfigError(f"--rdzv-endpoint {endpoint} has an invalid port "
                                     f"{text!r}: write HOST:PORT")
     return int(text)
+
+
+def check_keep_alive(interval: float, attempts: int) -> None:
+    """Refuse heartbeat settings under which torch takes live nodes for dead.
+
+    torch's rendezvous handler refreshes a node's heartbeat only once it is one interval
+    old, polls the shared state once a second and caches it for a second, so a live
+    node's last heartbeat can look up to two intervals plus about 2 s old — more right
+    after a round completes. A node is declared dead after ``interval * attempts``: below
+    ``2 * interval + 3`` s a live node gets dropped and its agent trains on alone (a
+    split world). Measured: interval 1 s with 2 attempts drops the first node of a round.
+    """
+    needed = 2 * interval + 3
+    if interval * attempts < needed:
+        fewest = int(-(-needed // interval))
+        raise RendezvousConfigError(
+            f"--rdzv-conf keep_alive_interval={interval:g} with keep_alive_max_attempt="
+            f"{attempts} declares a node dead after {interval * attempts:g} s, but a live "
+            f"node's heartbeat can be {needed:g} s old: use keep_alive_max_attempt={fewest} "
+            "or more")
 
 
 @dataclass(frozen=True)
@@ -140,6 +161,9 @@ class EtcdV3Options:
         if not prefix.startswith("/") or prefix.rstrip("/") == "":
             raise RendezvousConfigError(f"--rdzv-conf key_prefix={prefix} is invalid: use an "
                                         "absolute key like /jobs/rendezvous")
+        interval = _number(text, "keep_alive_interval", float)
+        attempts = _number(text, "keep_alive_max_attempt", int)
+        check_keep_alive(interval, attempts)
         return cls(
             endpoint=parse_endpoint(endpoint, protocol),
             credentials=Credentials(ca_cert=text.get("ca_cert"), cert=text.get("ssl_cert"),
@@ -150,8 +174,8 @@ class EtcdV3Options:
             last_call_timeout=_number(text, "last_call_timeout", float),
             close_timeout=_number(text, "close_timeout", float),
             heartbeat_timeout=_number(text, "heartbeat_timeout", float),
-            keep_alive_interval=_number(text, "keep_alive_interval", float),
-            keep_alive_max_attempt=_number(text, "keep_alive_max_attempt", int),
+            keep_alive_interval=interval,
+            keep_alive_max_attempt=attempts,
             read_timeout=_number(text, "read_timeout", float),
             request_timeout=_number(text, "request_timeout", float),
             state_ttl=_number(text, "state_ttl", int),

@@ -23,9 +23,9 @@ from torch.distributed.elastic.utils.store import barrier
 
 from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend
 from elastic_train.rendezvous.client import KV, EtcdKV
+from elastic_train.rendezvous.handler import build_handler
 from elastic_train.rendezvous.lease import SharedLease
 from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
-from elastic_train.rendezvous.plugin import build_handler
 from elastic_train.rendezvous.store import EtcdStore
 from tests.memory_kv import MemoryKV
 
