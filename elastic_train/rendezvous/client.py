@@ -40,6 +40,10 @@ class LeaseNotFound(Exception):
     """A write named a lease that expired or was revoked; grant a new one and retry."""
 
 
+class _TokenExpired(Exception):
+    """etcd no longer knows our auth token (it expires when unused): log in again."""
+
+
 class KV(Protocol):
     """The key-value operations the rendezvous needs (a real etcd or a fake)."""
 
@@ -165,9 +169,8 @@ class EtcdKV:
     def _connect(self) -> Any:
         if self._client is None:
             import etcd3gw  # deferred: importing this module must stay cheap
-            import requests
 
-            session = requests.Session()
+            session = _new_session()
             creds = self._credentials
             if creds.ca_cert:
                 session.verify = creds.ca_cert
@@ -181,8 +184,6 @@ class EtcdKV:
 
     def _authenticate(self, client: Any) -> None:
         creds = self._credentials
-        if not creds.user or self._token is not None:
-            return
         client.session.headers.pop("Authorization", None)
         result = client.post(client.get_url("/auth/authenticate"),
                              json={"name": creds.user, "password": creds.password or ""})
@@ -190,27 +191,37 @@ class EtcdKV:
         client.session.headers["Authorization"] = self._token
 
     def _call(self, operation: str, fn: Callable[[Any], T]) -> T:
+        with self._lock:
+            client = self._attempt("connecting", lambda _: self._connect())
+            for attempt in (1, 2):
+                if self._credentials.user and self._token is None:
+                    self._attempt(f"logging in as {self._credentials.user}",
+                                  lambda c: self._authenticate(c), client)
+                try:
+                    return self._attempt(operation, fn, client)
+                except _TokenExpired:
+                    if attempt == 2:
+                        raise self._error(operation, Exception(), "invalid auth token") from None
+                    self._token = None  # the token expired: log in again, once
+            raise AssertionError("unreachable")
+
+    def _attempt(self, operation: str, fn: Callable[[Any], T], client: Any = None) -> T:
+        """``fn(client)`` with etcd3gw's and requests' errors turned into ours."""
         import requests
         from etcd3gw import exceptions
 
-        with self._lock:
-            for attempt in (1, 2):
-                try:
-                    client = self._connect()
-                    self._authenticate(client)
-                    return fn(client)
-                except requests.exceptions.RequestException as exc:  # outside etcd3gw's post
-                    failed = exceptions.ConnectionFailedError(str(exc))
-                    raise self._error(operation, failed, _reason(failed)) from exc
-                except exceptions.Etcd3Exception as exc:
-                    reason = _reason(exc)
-                    if "lease not found" in reason:
-                        raise LeaseNotFound(reason) from None
-                    if "invalid auth token" in reason and attempt == 1:
-                        self._token = None  # the token expired: log in again, once
-                        continue
-                    raise self._error(operation, exc, reason) from exc
-            raise AssertionError("unreachable")
+        try:
+            return fn(client)
+        except requests.exceptions.RequestException as exc:  # outside etcd3gw's post
+            failed = exceptions.ConnectionFailedError(str(exc))
+            raise self._error(operation, failed, _reason(failed)) from exc
+        except exceptions.Etcd3Exception as exc:
+            reason = _reason(exc)
+            if "lease not found" in reason:
+                raise LeaseNotFound(reason) from None
+            if "invalid auth token" in reason and self._credentials.user:
+                raise _TokenExpired(reason) from None
+            raise self._error(operation, exc, reason) from exc
 
     def _error(self, operation: str, exc: BaseException, reason: str
                ) -> RendezvousConnectionError:
@@ -334,6 +345,30 @@ class EtcdKV:
             return int(result["ID"])
 
         return self._call(f"granting a {ttl} s lease", fn)
+
+
+def _session_class() -> type:
+    import requests
+
+    class Session(requests.Session):
+        """A session whose own CA file wins over REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE.
+
+        requests lets those variables override ``session.verify``; a job's etcd CA must
+        not be replaced by the machine's public bundle.
+        """
+
+        def merge_environment_settings(self, url: Any, proxies: Any, stream: Any,
+                                       verify: Any, cert: Any) -> Any:
+            settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            if self.verify is not True and verify is None:
+                settings["verify"] = self.verify
+            return settings
+
+    return Session
+
+
+def _new_session() -> Any:
+    return _session_class()()
 
 
 def _put(key: str, value: bytes, lease: int) -> dict[str, Any]:
