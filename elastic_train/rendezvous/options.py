@@ -65,10 +65,11 @@ def parse_endpoint(text: str, protocol: str | None, backend: str = "etcd-v3") ->
     scheme, sep, rest = text.partition("://")
     if not sep:
         scheme, rest = "", text
+    rest = rest.rstrip("/")
     if "," in rest:
         raise RendezvousConfigError(f"--rdzv-endpoint {text} is invalid: give one etcd "
                                     "member as HOST:PORT")
-    host, port = rest.rstrip("/"), DEFAULT_PORT
+    host, port = rest, DEFAULT_PORT
     if rest.startswith("["):  # [IPv6]:port
         host, _, tail = rest[1:].partition("]")
         if tail.startswith(":"):
