@@ -27,6 +27,8 @@ class WorkerEnv:
     use_agent_store: bool = False
     under_torchrun: bool = False
     prometheus_multiproc_dir: str | None = None
+    group_world_size: int = 1
+    rendezvous_seconds: float | None = None
 
     @property
     def is_rank0(self) -> bool:
@@ -46,6 +48,18 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+# Set by ``elastic-train run`` in its agent's environment after each rendezvous, so the
+# workers it spawns next inherit how long their rendezvous took (see rendezvous/timing.py).
+RENDEZVOUS_SECONDS = "ELASTIC_TRAIN_RENDEZVOUS_SECONDS"
+
+
+def _seconds(environ: Mapping[str, str], key: str) -> float | None:
+    try:
+        return float(environ[key])
+    except (KeyError, ValueError):
+        return None
 
 
 def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -69,6 +83,8 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         # even empty; None means absent.
         prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR",
                                          env.get("prometheus_multiproc_dir")),
+        group_world_size=_int(env, "GROUP_WORLD_SIZE", 1),
+        rendezvous_seconds=_seconds(env, RENDEZVOUS_SECONDS),
     )
 
 
@@ -79,6 +95,11 @@ def launcher_environment_defaults() -> dict[str, str]:
     c10d store, so keys of a dead incarnation cannot mislead the next one (FIELD-NOTES).
     """
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def set_for_workers(key: str, value: str) -> None:
+    """Set a variable in this (agent) process, which the workers it spawns next inherit."""
+    os.environ[key] = value
 
 
 def apply_environment_defaults(defaults: Mapping[str, str]) -> None:
