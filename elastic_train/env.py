@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,7 +65,9 @@ def _seconds(environ: Mapping[str, str], key: str) -> float | None:
 
 def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     """Read RANK, WORLD_SIZE, TORCHELASTIC_* and MASTER_* into a WorkerEnv."""
-    env = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if env.get(WORKER_ENV_FILE):
+        env = {**env, **_read_env_file(env[WORKER_ENV_FILE])}
     port = _int(env, "MASTER_PORT", 0)
     return WorkerEnv(
         rank=_int(env, "RANK", 0),
@@ -97,9 +100,34 @@ def launcher_environment_defaults() -> dict[str, str]:
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+WORKER_ENV_FILE = "ELASTIC_TRAIN_WORKER_ENV_FILE"
+
+
 def set_for_workers(key: str, value: str) -> None:
-    """Set a variable in this (agent) process, which the workers it spawns next inherit."""
+    """Set a variable in this (agent) process for the workers it starts next.
+
+    Subprocess workers inherit the agent's environment. Workers forked from a forkserver
+    inherit the *server's*, fixed when it started; for them the value also goes into the
+    file named by ELASTIC_TRAIN_WORKER_ENV_FILE, which ``read_worker_env`` overlays.
+    """
     os.environ[key] = value
+    path = os.environ.get(WORKER_ENV_FILE)
+    if path:
+        values = _read_env_file(path)
+        values[key] = value
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(values, f)
+        os.replace(tmp, path)
+
+
+def _read_env_file(path: str) -> dict[str, str]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
 def apply_environment_defaults(defaults: Mapping[str, str]) -> None:

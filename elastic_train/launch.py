@@ -10,9 +10,11 @@ get defaults for jobs that must not sit in torch's 30 s last call (``RDZV_DEFAUL
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +22,7 @@ from pathlib import Path
 from elastic_train.checkpoint.storage import CheckpointStore, check_compatible, tensor_shapes
 from elastic_train.config import JobConfig, parse_job_args
 from elastic_train.env import (
+    WORKER_ENV_FILE,
     apply_environment_defaults,
     launcher_environment_defaults,
     read_worker_env,
@@ -224,8 +227,16 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
         args.master_port = 29500  # what torchrun.run() does; unused by the c10d/etcd backends
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
+    # Values the agent learns later (rendezvous durations) reach forked workers by file.
+    fd, env_file = tempfile.mkstemp(prefix="elastic-train-worker-env-", suffix=".json")
+    os.close(fd)
+    os.environ[WORKER_ENV_FILE] = env_file
     multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-    elastic_launch(config, entrypoint=run_worker)(*job_args)
+    try:
+        elastic_launch(config, entrypoint=run_worker)(*job_args)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(env_file)
 
 
 def main(argv: Sequence[str]) -> int:
