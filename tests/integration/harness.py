@@ -272,6 +272,7 @@ def node(run_dir: Path, name: str, rdzv: Sequence[str], job_args: Sequence[str],
     """
     common = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
               f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *rdzv]
+    job_args = with_metrics_ports(job_args, nproc)  # agents on one host: one port range each
     if launcher == "torchrun":
         argv = [sys.executable, "-m", "torch.distributed.run", *common, "-m",
                 "elastic_train.train", "--run-dir", str(run_dir), *job_args]
