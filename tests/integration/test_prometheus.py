@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from elastic_train import cli
 from elastic_train.sampler import shard_bounds
 from tests.integration import harness, prom
+from tests.unit.test_report import png_size
 
 pytestmark = pytest.mark.slow
 
@@ -187,12 +187,6 @@ def test_every_dashboard_query_returns_data(observed: Observed) -> None:
     server.query(annotation.replace("$run_id", ".*"), at=at)   # valid PromQL
     run_ids = server.api("label/run_id/values", **{"match[]": "elastic_train_build_info"})
     assert observed.first("start")["run_id"] in run_ids
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    return struct.unpack(">II", header[16:24])
 
 
 def test_report_draws_the_failed_run(observed: Observed,
