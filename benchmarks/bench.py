@@ -19,6 +19,7 @@ are shared and noisy), with the median and the spread (min-max) over the repetit
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -91,13 +92,13 @@ def _our_log(run_dir: Path) -> list[dict[str, Any]]:
 def _step_times(events: list[dict[str, Any]], skip: int = 3) -> list[float]:
     """Intervals between consecutive step events (after ``skip`` warm-up steps)."""
     steps = [e for e in events if e["event"] == "step"]
-    return [b["time"] - a["time"] for a, b in zip(steps, steps[1:])][skip:]
+    return [b["time"] - a["time"] for a, b in itertools.pairwise(steps)][skip:]
 
 
 def _stalls(events: list[dict[str, Any]], every: int, skip: int = 3) -> list[float]:
     """Excess of the interval that contains a save over the median of the others."""
     steps = [e for e in events if e["event"] == "step"]
-    intervals = {b["step"]: b["time"] - a["time"] for a, b in zip(steps, steps[1:])}
+    intervals = {b["step"]: b["time"] - a["time"] for a, b in itertools.pairwise(steps)}
     plain = [t for s, t in intervals.items() if s > skip and (s - 1) % every]
     typical = statistics.median(plain)
     return [intervals[s] - typical for s in intervals if s > skip and (s - 1) % every == 0

@@ -33,6 +33,8 @@ from elastic_train.errors import ConfigError
 
 OptionValue = str | int | float | bool
 
+BATCH_POLICIES = ("constant", "scale-lr")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -43,6 +45,7 @@ class TrainConfig:
     steps: int = 500
     batch_size: int = 16
     micro_batch_size: int = 0
+    batch_policy: str = "constant"
     lr: float = 3e-3
     warmup_steps: int = 20
     lr_schedule: str = "cosine"
@@ -152,6 +155,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--micro-batch-size", "train", "micro_batch_size",
            "largest per-rank forward pass; larger shares accumulate gradients (0: no limit)",
            int),
+    Option("--batch-policy", "train", "batch_policy",
+           "when the world size changes: 'constant' keeps the global batch (each rank's "
+           "share changes), 'scale-lr' keeps each rank's batch and scales the LR with the "
+           "global batch"),
     Option("--lr", "train", "lr", "peak learning rate", float),
     Option("--warmup-steps", "train", "warmup_steps", "linear warm-up steps", int),
     Option("--lr-schedule", "train", "lr_schedule", "cosine or constant after warm-up"),
@@ -263,6 +270,8 @@ def validate(config: JobConfig) -> JobConfig:
     _check(t.steps > 0, "--steps", t.steps, "a positive number of steps")
     _check(t.batch_size > 0, "--batch-size", t.batch_size, "a positive number of samples")
     _check(t.micro_batch_size >= 0, "--micro-batch-size", t.micro_batch_size, ">= 0")
+    _check(t.batch_policy in BATCH_POLICIES, "--batch-policy", t.batch_policy,
+           "'constant' or 'scale-lr'")
     _check(t.lr > 0, "--lr", t.lr, "positive")
     _check(t.warmup_steps >= 0, "--warmup-steps", t.warmup_steps, ">= 0")
     _check(t.lr_schedule in ("cosine", "constant"), "--lr-schedule", t.lr_schedule,

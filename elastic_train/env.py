@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ class WorkerEnv:
     use_agent_store: bool = False
     under_torchrun: bool = False
     prometheus_multiproc_dir: str | None = None
+    group_world_size: int = 1
+    rendezvous_seconds: float | None = None
 
     @property
     def is_rank0(self) -> bool:
@@ -48,9 +51,23 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
         raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
 
 
+# Set by ``elastic-train run`` in its agent's environment after each rendezvous, so the
+# workers it spawns next inherit how long their rendezvous took (see rendezvous/timing.py).
+RENDEZVOUS_SECONDS = "ELASTIC_TRAIN_RENDEZVOUS_SECONDS"
+
+
+def _seconds(environ: Mapping[str, str], key: str) -> float | None:
+    try:
+        return float(environ[key])
+    except (KeyError, ValueError):
+        return None
+
+
 def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     """Read RANK, WORLD_SIZE, TORCHELASTIC_* and MASTER_* into a WorkerEnv."""
-    env = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if env.get(WORKER_ENV_FILE):
+        env = {**env, **_read_env_file(env[WORKER_ENV_FILE])}
     port = _int(env, "MASTER_PORT", 0)
     return WorkerEnv(
         rank=_int(env, "RANK", 0),
@@ -69,6 +86,8 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         # even empty; None means absent.
         prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR",
                                          env.get("prometheus_multiproc_dir")),
+        group_world_size=_int(env, "GROUP_WORLD_SIZE", 1),
+        rendezvous_seconds=_seconds(env, RENDEZVOUS_SECONDS),
     )
 
 
@@ -79,6 +98,36 @@ def launcher_environment_defaults() -> dict[str, str]:
     c10d store, so keys of a dead incarnation cannot mislead the next one (FIELD-NOTES).
     """
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+WORKER_ENV_FILE = "ELASTIC_TRAIN_WORKER_ENV_FILE"
+
+
+def set_for_workers(key: str, value: str) -> None:
+    """Set a variable in this (agent) process for the workers it starts next.
+
+    Subprocess workers inherit the agent's environment. Workers forked from a forkserver
+    inherit the *server's*, fixed when it started; for them the value also goes into the
+    file named by ELASTIC_TRAIN_WORKER_ENV_FILE, which ``read_worker_env`` overlays.
+    """
+    os.environ[key] = value
+    path = os.environ.get(WORKER_ENV_FILE)
+    if path:
+        values = _read_env_file(path)
+        values[key] = value
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(values, f)
+        os.replace(tmp, path)
+
+
+def _read_env_file(path: str) -> dict[str, str]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
 def apply_environment_defaults(defaults: Mapping[str, str]) -> None:

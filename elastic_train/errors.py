@@ -59,3 +59,14 @@ class ReportError(ElasticTrainError):
 
 class DistributedError(ElasticTrainError):
     """The process group cannot be formed or a collective timed out."""
+
+
+class RendezvousConfigError(ConfigError, ValueError):
+    """A rendezvous option (--rdzv-endpoint, --rdzv-conf) cannot work.
+
+    Also a ValueError, which is what torch's launcher expects from a handler's creator.
+    """
+
+
+class RendezvousUnavailableError(ElasticTrainError):
+    """The rendezvous service cannot be reached or lacks what the chosen backend needs."""

@@ -136,3 +136,62 @@ def last_incarnation(path: Path, max_bytes: int = 1 << 20) -> LastIncarnation | 
         if record["event"] == "start" and record.get("restart", 0) == 0:
             break
     return LastIncarnation(float(records[-1]["time"]), step)
+def read_events_backwards(path: Path, block: int = 1 << 16) -> Iterator[dict[str, Any]]:
+    """Yield the complete events of a log newest first, reading from its end in blocks."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        f.seek(0, 2)
+        position, tail = f.tell(), b""
+        while position > 0:
+            size = min(block, position)
+            position -= size
+            f.seek(position)
+            lines = (f.read(size) + tail).split(b"\n")
+            tail = lines.pop(0)  # may continue in the previous block
+            for line in reversed(lines):
+                record = _parse(line)
+                if record is not None:
+                    yield record
+        record = _parse(tail)
+        if record is not None:
+            yield record
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "event" in record else None
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """What the log says about the incarnation before this one, within the same launch."""
+
+    world_size: int | None
+    restart: int
+    last_step_time: float | None
+
+
+def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
+    """The newest ``start`` of ``run_id`` not followed by its ``end``, with its last step time.
+
+    None when there is none: a first start, or the previous launch of this run finished.
+    """
+    last_step_time = None
+    for record in read_events_backwards(path):
+        kind = record["event"]
+        if kind == "end":
+            return None
+        if kind == "step" and last_step_time is None:
+            last_step_time = record.get("time")
+        if kind == "start":
+            if record.get("run_id") != run_id:
+                return None
+            return Incarnation(record.get("world_size"), int(record.get("restart", 0)),
+                               last_step_time)
+    return None

@@ -2,15 +2,19 @@
 
 Launcher options are torchrun's (a subset with the same names); everything else is a job
 option for ``elastic_train.train``, checked here before any process starts so that bad input
-fails in a second with one line instead of after every restart is burnt.
+fails in a second with one line instead of after every restart is burnt. The rendezvous
+service is checked too (reachable, the API the backend needs), and the rendezvous timeouts
+get defaults for jobs that must not sit in torch's 30 s last call (``RDZV_DEFAULTS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +22,7 @@ from pathlib import Path
 from elastic_train.checkpoint.storage import CheckpointStore, check_compatible, tensor_shapes
 from elastic_train.config import JobConfig, parse_job_args
 from elastic_train.env import (
+    WORKER_ENV_FILE,
     apply_environment_defaults,
     launcher_environment_defaults,
     read_worker_env,
@@ -25,6 +30,9 @@ from elastic_train.env import (
 from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.metrics import check_single_process_mode
 from elastic_train.metrics_server import check_ports_free
+from elastic_train.rendezvous import timing
+from elastic_train.rendezvous.options import check_keep_alive
+from elastic_train.rendezvous.preflight import check_rendezvous
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task
@@ -35,6 +43,47 @@ WORKER_MODULE = "elastic_train.train"
 # Imported once by the forkserver; every (re)started worker is forked with them loaded.
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
                       "elastic_train.train", "elastic_train.tasks.gpt"]
+
+# --rdzv-conf defaults per backend; what the user gives wins. torch waits 30 s after the
+# minimum number of nodes joined for more (last call) and needs 15 s to notice a dead node
+# (3 missed heartbeats, 5 s apart); a small cluster wants seconds. etcd-v3 has the same
+# defaults built in (rendezvous/options.py); torch's legacy etcd has a fixed 10 s TTL.
+RDZV_DEFAULTS: dict[str, dict[str, str]] = {
+    "c10d": {"last_call_timeout": "5", "keep_alive_interval": "2",
+             "keep_alive_max_attempt": "4"},
+    "etcd-v2": {"last_call_timeout": "5", "keep_alive_interval": "2",
+                "keep_alive_max_attempt": "4"},
+    "etcd": {"last_call_timeout": "5"},
+}
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``KEY=VALUE,...`` as torchrun reads it."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ConfigError(f"--rdzv-conf item {item!r} is invalid: write KEY=VALUE,...")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def rdzv_conf_with_defaults(backend: str, text: str) -> str:
+    """The --rdzv-conf to launch with: the user's, completed with ``RDZV_DEFAULTS``.
+
+    For torch's dynamic backends (c10d, etcd-v2) the heartbeat settings are checked like
+    etcd-v3's (rendezvous/options.py), which torch does not do.
+    """
+    conf = {**RDZV_DEFAULTS.get(backend, {}), **parse_rdzv_conf(text)}
+    if backend in ("c10d", "etcd-v2"):
+        try:
+            interval = int(conf["keep_alive_interval"])
+            attempts = int(conf["keep_alive_max_attempt"])
+        except ValueError:
+            raise ConfigError("--rdzv-conf keep_alive_interval and keep_alive_max_attempt "
+                              f"must be whole numbers for {backend}") from None
+        check_keep_alive(interval, attempts)
+    return ",".join(f"{key}={value}" for key, value in conf.items())
 
 
 def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
@@ -93,8 +142,9 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
         f"--node-rank={ns.node_rank}", f"--master-addr={ns.master_addr}",
         f"--redirects={ns.redirects}", f"--tee={ns.tee}",
     ]
-    if ns.rdzv_conf:
-        argv.append(f"--rdzv-conf={ns.rdzv_conf}")
+    conf = rdzv_conf_with_defaults(ns.rdzv_backend, ns.rdzv_conf)
+    if conf:
+        argv.append(f"--rdzv-conf={conf}")
     if ns.local_addr:
         argv.append(f"--local-addr={ns.local_addr}")
     if ns.log_dir:
@@ -126,6 +176,23 @@ def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
         check_single_process_mode(read_worker_env())
         if nproc_per_node.isdigit():
             check_ports_free(config.metrics.address, config.metrics.port, int(nproc_per_node))
+
+
+def rendezvous_failure_line(exc: BaseException, ns: argparse.Namespace) -> str | None:
+    """One actionable line for the rendezvous errors torch raises without a message."""
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousTimeoutError,
+    )
+
+    where = f"rendezvous {ns.rdzv_id!r} ({ns.rdzv_backend} at {ns.rdzv_endpoint})"
+    if isinstance(exc, RendezvousClosedError):
+        return (f"{where} is closed: a job with this --rdzv-id already finished; use a new "
+                "--rdzv-id")
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"{where} did not complete within its join_timeout: start the other nodes "
+                f"(--nnodes {ns.nnodes}) or lower the minimum")
+    return None
 
 
 def first_failure_line(exc: BaseException) -> str:
@@ -160,8 +227,16 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
         args.master_port = 29500  # what torchrun.run() does; unused by the c10d/etcd backends
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
+    # Values the agent learns later (rendezvous durations) reach forked workers by file.
+    fd, env_file = tempfile.mkstemp(prefix="elastic-train-worker-env-", suffix=".json")
+    os.close(fd)
+    os.environ[WORKER_ENV_FILE] = env_file
     multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-    elastic_launch(config, entrypoint=run_worker)(*job_args)
+    try:
+        elastic_launch(config, entrypoint=run_worker)(*job_args)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(env_file)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -180,6 +255,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = parse_job_args(job_args, prog="elastic-train run")
         cmd = torchrun_argv(ns, job_args)
+        check_rendezvous(ns.rdzv_backend, ns.rdzv_endpoint,
+                         parse_rdzv_conf(rdzv_conf_with_defaults(ns.rdzv_backend, ns.rdzv_conf)))
         preflight(config, ns.nproc_per_node)
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
@@ -189,6 +266,7 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     apply_environment_defaults(launcher_environment_defaults())
+    timing.install()
     try:
         _launch(torchrun.parse_args(cmd), job_args, ns.worker_start)
     except SignalException as exc:
@@ -203,7 +281,8 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 1
     except Exception as exc:  # rendezvous errors, ports in use, ...: one line, not a traceback
-        print(f"elastic-train: error: {type(exc).__name__}: {first_failure_line(exc)}",
-              file=sys.stderr)
+        line = rendezvous_failure_line(exc, ns)
+        print(f"elastic-train: error: {line or type(exc).__name__ + ': '}"
+              f"{'' if line else first_failure_line(exc)}", file=sys.stderr)
         return 1
     return 0

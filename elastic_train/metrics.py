@@ -126,6 +126,8 @@ class WorkerMetrics:
                                  buckets=CHECKPOINT_BUCKETS)
         self.skipped = now(Counter, "checkpoints_skipped", "Rank 0: corrupt checkpoints "
                            "skipped at restore")
+        self.failed = now(Counter, "checkpoint_failures", "Rank 0: checkpoint writes that "
+                          "failed (disk full, permissions); the last good one stays")
         self.world_size.set(env.world_size)
         self.restarts.inc(env.restart_count)
         self.max_restarts.set(env.max_restarts)
@@ -169,6 +171,7 @@ class WorkerMetrics:
             "start": self._on_start, "startup": self._on_startup, "step": self._on_step,
             "checkpoint_saved": self._on_saved, "checkpoint_loaded": self._on_loaded,
             "checkpoint_skipped": self._on_skipped,
+            "checkpoint_failed": lambda record: self.failed.inc(),
         }
 
     def observe(self, record: Mapping[str, Any]) -> None:

@@ -39,22 +39,40 @@ class RunSummary:
         ]
 
 
+def _newest_launch(records: list[dict[str, Any]], run_id: str | None) -> tuple[int, int]:
+    """[begin, end) of the newest launch of ``run_id`` in the log.
+
+    A launch begins at a ``start`` of the run that follows the run's ``end`` (or another
+    run's start, or nothing); every other start of the run continues it — a restart after
+    a failure, or a resize: in a multi-node job, rank 0 may live on an agent that just
+    joined and has restarted nothing, so a restart count of 0 alone does not mean a new
+    launch. It ends at the next start of another run.
+    """
+    begin, closed = -1, True
+    for i, e in enumerate(records):
+        if e["event"] == "end":
+            closed = True
+        elif e["event"] == "start":
+            if e.get("run_id") != run_id:
+                closed = True
+            elif closed:
+                begin, closed = i, False
+    end = next((i for i in range(begin + 1, len(records)) if records[i]["event"] == "start"
+                and records[i].get("run_id") != run_id), len(records))
+    return begin, end
+
+
 def launch_segment(events: Iterable[dict[str, Any]], run_id: str | None = None
                    ) -> tuple[str | None, list[dict[str, Any]]]:
     """The records of the newest launch of ``run_id`` (or of the newest run in the log):
-    from its first start (restart 0) up to the next launch, restarts included."""
+    from its first start up to the next launch, restarts and resizes included."""
     records = list(events)
     starts = [i for i, e in enumerate(records) if e["event"] == "start"
               and (run_id is None or e.get("run_id") == run_id)]
     if not starts:
         return run_id, []
     run_id = records[starts[-1]].get("run_id")
-    mine = [i for i in starts if records[i].get("run_id") == run_id]
-    fresh = [i for i in mine if records[i].get("restart", 0) == 0]
-    begin = fresh[-1] if fresh else mine[0]
-    end = next((i for i in range(begin + 1, len(records)) if records[i]["event"] == "start"
-                and (records[i].get("run_id") != run_id or records[i].get("restart", 0) == 0)),
-               len(records))
+    begin, end = _newest_launch(records, run_id)
     return run_id, records[begin:end]
 
 

@@ -4,7 +4,8 @@ Exactness: the data of step ``s`` is the next global batch of the (seed, epoch) 
 among today's ranks; its randomness comes from (seed, step, rank); each rank's loss is
 weighted by its share of the global batch, so the update is the mean over the global batch
 whatever the split. A run resumed at the same world size is therefore bitwise equal to one
-that never stopped.
+that never stopped. On a resize the global batch policy (batching.py) says what the global
+batch and the learning rate become; every step event records both.
 """
 
 from __future__ import annotations
@@ -25,13 +26,20 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train import distributed
+from elastic_train.batching import BatchPlan, plan_batch
 from elastic_train.checkpoint.manager import CheckpointManager, Restored
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
-from elastic_train.events import EVENTS_FILE, EventLog, EventObserver, read_events
+from elastic_train.events import (
+    EVENTS_FILE,
+    EventLog,
+    EventObserver,
+    previous_incarnation,
+    read_events,
+)
 from elastic_train.preemption import StopRequest
 from elastic_train.progress import Progress
 from elastic_train.sampler import ResumableSampler
@@ -46,17 +54,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainerState:
-    """The trainer's own resumable state."""
+    """The trainer's own resumable state.
+
+    ``reference_world_size`` is the world size of the job's first start (0: not known,
+    in checkpoints written before it was kept); the ``scale-lr`` batch policy needs it.
+    """
 
     step: int = 0
     samples_seen: int = 0
+    reference_world_size: int = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "samples_seen": self.samples_seen}
+        return {"step": self.step, "samples_seen": self.samples_seen,
+                "reference_world_size": self.reference_world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
+        self.reference_world_size = int(state.get("reference_world_size", 0))
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -101,6 +116,9 @@ class Trainer:
                                observers=observers)
         self.state = TrainerState()
         self.stop = StopRequest(config.distributed.preemption_budget_seconds)
+        # Replaced after the restore by the job's policy (see _plan_batch).
+        self.plan = BatchPlan("constant", config.train.batch_size, 1.0, group.world_size,
+                              group.world_size)
         self._samples_file: TextIO | None = None
         self._marks = {"process_start": process_start_time(), **(marks or {})}
 
@@ -120,7 +138,8 @@ class Trainer:
         self.optimizer = self.task.build_optimizer(self.model, cfg.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.lr_schedule))
+            lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.lr_schedule)
+            * self.plan.lr_scale)
         store = CheckpointStore(Path(self.config.run_dir) / "checkpoints")
         meta = {"task": cfg.task, "task_options": dict(cfg.task_options),
                 "run_id": self.env.run_id, "batch_size": cfg.batch_size}
@@ -137,7 +156,8 @@ class Trainer:
         cfg = self.config.train
         rank, world = self.group.rank, self.group.world_size
         self.watchdog.phase("data")
-        batch = self.sampler.next_batch(cfg.batch_size)
+        global_batch = self.plan.global_batch
+        batch = self.sampler.next_batch(global_batch)
         mine = batch.shard(rank, world)
         torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
         # [loss sum, stop votes]: one all-reduce carries both.
@@ -153,7 +173,7 @@ class Trainer:
                 loss = self.task.loss(ddp, inputs)
                 # DDP averages gradients over ranks; weighting by share * world / global
                 # batch makes the result the mean over the global batch for any split.
-                (loss * (len(chunk) * world / cfg.batch_size)).backward()
+                (loss * (len(chunk) * world / global_batch)).backward()
             tally[0] += loss.detach().double() * len(chunk)
         self.watchdog.phase("optimizer")
         if cfg.grad_clip > 0:
@@ -166,12 +186,12 @@ class Trainer:
             self.watchdog.phase("all-reduce of the loss")
             dist.all_reduce(tally)
         self.state.step += 1
-        self.state.samples_seen += cfg.batch_size
+        self.state.samples_seen += global_batch
         self.watchdog.progress(self.state.step)
         if cfg.record_samples:
             self._record_samples(batch.epoch, batch.offset, mine)
         loss_sum, votes = tally.tolist()
-        return loss_sum / cfg.batch_size, votes > 0
+        return loss_sum / global_batch, votes > 0
 
     def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
         if self._samples_file is None:
@@ -179,7 +199,8 @@ class Trainer:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._samples_file = open(path, "a", buffering=1)
         self._samples_file.write(json.dumps({
-            "step": self.state.step, "epoch": epoch, "offset": offset,
+            "time": round(time.time(), 6), "step": self.state.step, "epoch": epoch,
+            "offset": offset,
             "world_size": self.group.world_size, "restart": self.env.restart_count,
             "rank": self.group.rank, "indices": indices.tolist()}) + "\n")
 
@@ -195,11 +216,15 @@ class Trainer:
     def _run(self) -> RunSummary | None:
         cfg = self.config.train
         self._build()
+        previous = (previous_incarnation(Path(self.config.run_dir) / EVENTS_FILE,
+                                         self.env.run_id) if self.group.rank == 0 else None)
         self.events.emit("start", run_id=self.env.run_id, restart=self.env.restart_count,
                          world_size=self.group.world_size, total_steps=cfg.steps,
                          backend=self.group.backend, config=self.config.to_dict())
+        self._record_rendezvous(previous)
         restored = self.checkpoints.restore(self._stateful())
         self._marks["restored"] = time.time()
+        self._plan_batch(restored)
         self._announce(restored)
         ddp = DistributedDataParallel(
             self.model,
@@ -220,6 +245,7 @@ class Trainer:
             self.events.emit("step", step=self.state.step, loss=round(loss, 6),
                              lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
                              world_size=self.group.world_size, samples=self.state.samples_seen,
+                             global_batch=self.plan.global_batch,
                              seconds=round(step_seconds, 6), restart=self.env.restart_count)
             if stop:
                 self._preempted()
@@ -259,6 +285,55 @@ class Trainer:
         if self.group.rank == 0:
             self._print(f"stop requested (preemption): stopping at step {self.state.step} with a "
                         "checkpoint; rerun the same command to resume")
+
+    def _record_rendezvous(self, previous: Any) -> None:
+        """Rank 0: the rendezvous that formed this world, and the resize if it is one.
+
+        ``seconds`` is torch's agent's own measurement of the rendezvous when
+        ``elastic-train run`` passed it on (rendezvous/timing.py), else null;
+        ``since_last_step_seconds`` is the time since the previous world's last step (the
+        failure or membership change, its detection, the rendezvous and this start-up).
+        """
+        if self.group.rank != 0:
+            return
+        world = self.group.world_size
+        since = None
+        if previous is not None and previous.last_step_time is not None:
+            since = round(time.time() - previous.last_step_time, 3)
+        self.events.emit("rendezvous", restart=self.env.restart_count, world_size=world,
+                         nodes=self.env.group_world_size,
+                         previous_world_size=previous.world_size if previous else None,
+                         seconds=self.env.rendezvous_seconds,
+                         since_last_step_seconds=since)
+        if previous is not None and previous.world_size not in (None, world):
+            self.events.emit("resize", old_world_size=previous.world_size,
+                             new_world_size=world, nodes=self.env.group_world_size,
+                             restart=self.env.restart_count, since_last_step_seconds=since)
+
+    def _plan_batch(self, restored: Restored | None) -> None:
+        """Fix this incarnation's global batch and LR scale (after the restore: W0 is in it)."""
+        cfg = self.config.train
+        world = self.group.world_size
+        if not self.state.reference_world_size:
+            known = restored.world_size if restored is not None else None
+            self.state.reference_world_size = int(known or world)
+        self.plan = plan_batch(cfg.batch_policy, cfg.batch_size, world,
+                               self.state.reference_world_size)
+        if self.plan.global_batch > len(self.dataset):
+            raise ConfigError(f"the global batch of {self.plan.global_batch} samples at world "
+                              f"size {world} exceeds the {len(self.dataset)} samples of the "
+                              "dataset: use a smaller --batch-size or more data")
+        if self.plan.lr_scale != 1.0:
+            # The restored optimizer holds the LR of the old world: set this world's.
+            step = self.scheduler.last_epoch
+            lrs = [base * self.scheduler.lr_lambdas[0](step) for base in self.scheduler.base_lrs]
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            self.scheduler._last_lr = lrs  # what get_last_lr() reports
+        self.events.emit("batch_plan", policy=self.plan.policy,
+                         global_batch=self.plan.global_batch, lr_scale=self.plan.lr_scale,
+                         world_size=world,
+                         reference_world_size=self.plan.reference_world_size)
 
     def _announce(self, restored: Restored | None) -> None:
         if self.group.rank != 0:

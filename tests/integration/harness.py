@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_train.env import RENDEZVOUS_SECONDS
 from elastic_train.events import EVENTS_FILE, read_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +31,7 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    env.pop(RENDEZVOUS_SECONDS, None)  # only an agent sets it, for its own workers
     env.update(extra or {})
     return env
 
@@ -143,6 +145,22 @@ class Job:
             raise AssertionError(f"job did not finish within {timeout}s; output:\n"
                                  f"{self.report()}") from None
 
+    def kill_node(self) -> float:
+        """SIGKILL this agent and all its workers at once, as losing the machine would.
+
+        torchrun starts each worker in its own session, so the agent's process group alone
+        would leave them running. Returns the time of the kill (``time.time()``).
+        """
+        assert self.proc.poll() is None, f"the node already exited:\n{self.report()}"
+        workers = workers_of(self.proc.pid)
+        killed_at = time.time()
+        for pid in workers.values():
+            _kill_group(pid)
+        _kill_group(self.proc.pid)
+        self.proc.wait(timeout=30)
+        self.killed.extend(workers.items())
+        return killed_at
+
     def stop(self) -> None:
         """Kill the agent and its workers (torchrun starts each worker in its own session)."""
         if self.proc.poll() is None:
@@ -222,10 +240,10 @@ def workers_of(agent_pid: int) -> dict[int, int]:
 
 
 def start(argv: Sequence[str], run_dir: Path, env: dict[str, str] | None = None,
-          cwd: Path | None = None) -> Job:
-    """Start ``argv`` in its own process group, output to ``run_dir``/../<name>.log."""
+          cwd: Path | None = None, log_name: str | None = None) -> Job:
+    """Start ``argv`` in its own process group, output to ``run_dir``/../<log_name>.log."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir.parent / f"{run_dir.name}.log"
+    log_path = run_dir.parent / f"{log_name or run_dir.name}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
                                 env=env or job_env(), cwd=cwd or run_dir.parent,
@@ -242,6 +260,27 @@ def torchrun(run_dir: Path, job_args: Sequence[str], nproc: int = 2, max_restart
             "-m", "elastic_train.train", "--run-dir", str(run_dir),
             *with_metrics_ports(job_args, nproc)]
     return start(argv, run_dir, env)
+
+
+def node(run_dir: Path, name: str, rdzv: Sequence[str], job_args: Sequence[str],
+         launcher: str = "torchrun", nnodes: str = "1:2", nproc: int = 1,
+         max_restarts: int = 3) -> Job:
+    """One "node" of a multi-node job on this machine: an agent with its own workers.
+
+    ``launcher`` is ``torchrun`` (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the README
+    tells multi-node torchrun users) or ``elastic-train`` (which sets it itself).
+    """
+    common = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+              f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *rdzv]
+    if launcher == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", *common, "-m",
+                "elastic_train.train", "--run-dir", str(run_dir), *job_args]
+        env = job_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    else:
+        argv = [sys.executable, "-m", "elastic_train", "run", *common, "--run-dir",
+                str(run_dir), *job_args]
+        env = job_env()
+    return start(argv, run_dir, env, log_name=name)
 
 
 def elastic_run(run_dir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> Job:

@@ -44,7 +44,8 @@ def test_defaults_without_options() -> None:
     assert config == JobConfig()
     assert config.run_dir == Path("runs/default")
     assert config.train == TrainConfig(
-        task="gpt", task_options={}, steps=500, batch_size=16, micro_batch_size=0, lr=3e-3,
+        task="gpt", task_options={}, steps=500, batch_size=16, micro_batch_size=0,
+        batch_policy="constant", lr=3e-3,
         warmup_steps=20, lr_schedule="cosine", grad_clip=1.0, seed=0, log_every=10,
         record_samples=False)
     assert config.checkpoint == CheckpointConfig(every_steps=50, every_seconds=None, keep=3)
@@ -62,6 +63,7 @@ VALID: dict[str, tuple[str, Any]] = {
     "--steps": ("77", 77),
     "--batch-size": ("12", 12),
     "--micro-batch-size": ("3", 3),
+    "--batch-policy": ("scale-lr", "scale-lr"),
     "--lr": ("0.25", 0.25),
     "--warmup-steps": ("0", 0),
     "--lr-schedule": ("constant", "constant"),
@@ -335,6 +337,8 @@ def test_wrong_type_of_run_dir_in_the_file(tmp_path: Path, text: str) -> None:
     (["--batch-size", "0"], "--batch-size 0 is invalid: it must be a positive number of samples"),
     (["--lr-schedule", "linear"],
      "--lr-schedule linear is invalid: it must be 'cosine' or 'constant'"),
+    (["--batch-policy", "grow"],
+     "--batch-policy grow is invalid: it must be 'constant' or 'scale-lr'"),
     (["--backend", "mpi"], "--backend mpi is invalid: it must be 'auto', 'gloo' or 'nccl'"),
     (["--task-opt", "novalue"], "--task-opt 'novalue' is invalid: write it as KEY=VALUE"),
     (["--task-opt", "=v"], "--task-opt '=v' is invalid: write it as KEY=VALUE"),

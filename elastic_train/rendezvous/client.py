@@ -1,0 +1,378 @@
+"""The one module that talks to etcd: a small key-value API over etcd's v3 JSON gateway.
+
+Everything the rendezvous needs from etcd is here — reads, writes, two compare-and-swap
+transactions, leases — on top of ``etcd3gw`` (plain HTTP, no grpc/protobuf pins). The
+``KV`` protocol is what the backend and the store use, so the client library is
+replaceable, and an in-memory implementation can stand in for unit tests.
+
+Every failure to reach or use etcd becomes torch's ``RendezvousConnectionError`` with one
+line naming the endpoint, the operation and what to check.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+T = TypeVar("T")
+
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd holds it; ``mod_revision`` changes on every write of the key."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+
+
+class LeaseNotFound(Exception):
+    """A write named a lease that expired or was revoked; grant a new one and retry."""
+
+
+class _TokenExpired(Exception):
+    """etcd no longer knows our auth token (it expires when unused): log in again."""
+
+
+class KV(Protocol):
+    """The key-value operations the rendezvous needs (a real etcd or a fake)."""
+
+    endpoint: str
+
+    def get(self, key: str) -> KeyValue | None: ...
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, KeyValue]: ...
+
+    def count_prefix(self, prefix: str) -> int: ...
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None: ...
+
+    def put_many(self, items: Sequence[tuple[str, bytes]], lease: int = 0) -> None: ...
+
+    def swap(self, key: str, value: bytes, revision: int, lease: int = 0
+             ) -> tuple[bool, KeyValue | None]:
+        """Write ``value`` iff the key's mod_revision is ``revision`` (0: the key is absent).
+
+        Returns (True, the new key) or (False, the current key or None if absent).
+        """
+        ...
+
+    def swap_value(self, key: str, value: bytes, expected: bytes | None, lease: int = 0
+                   ) -> tuple[bool, KeyValue | None]:
+        """Write ``value`` iff the key holds ``expected`` (None: the key is absent)."""
+        ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def grant_lease(self, ttl: int) -> int: ...
+
+    def version(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where etcd listens, and how to talk to it."""
+
+    host: str
+    port: int
+    protocol: str = "http"
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.protocol}://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """TLS files and etcd user credentials (all optional)."""
+
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def _prefix_end(prefix: str) -> str:
+    """The first key after every key starting with ``prefix`` (etcd's range_end)."""
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return _b64(bytes(raw))
+
+
+def _key_value(raw: dict[str, Any]) -> KeyValue:
+    return KeyValue(key=_unb64(raw["key"]).decode(), value=_unb64(raw.get("value")),
+                    mod_revision=int(raw.get("mod_revision", 0)),
+                    create_revision=int(raw.get("create_revision", 0)))
+
+
+def _chunks(items: Sequence[T], size: int = MAX_TXN_OPS) -> Iterable[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+_ERRNO = re.compile(r"\[Errno -?\d+\] [^'\")]+|timed out|certificate verify failed[^'\")]*"
+                    r"|SSL[^'\")]{0,80}|Connection refused|Connection reset[^'\")]*")
+
+
+def _reason(exc: BaseException) -> str:
+    """The short cause of an etcd3gw / requests error (not its 300-character repr)."""
+    detail = getattr(exc, "detail_text", None) or str(exc)
+    try:
+        message = json.loads(detail).get("message")
+        if message:
+            return str(message)
+    except (ValueError, AttributeError):
+        pass
+    found = _ERRNO.search(detail)
+    if found:
+        return found.group(0).strip()
+    return (detail.strip().splitlines() or [type(exc).__name__])[0][:160]
+
+
+class EtcdKV:
+    """``KV`` on a real etcd (3.4 or newer) through its v3 JSON gateway.
+
+    Thread-safe: the agent's keep-alive thread and its main thread share one client.
+    """
+
+    def __init__(self, endpoint: Endpoint, credentials: Credentials | None = None,
+                 request_timeout: float = 10.0) -> None:
+        self.endpoint = endpoint.url
+        self._endpoint = endpoint
+        self._credentials = credentials or Credentials()
+        self._timeout = request_timeout
+        self._lock = threading.RLock()
+        self._client: Any = None
+        self._token: str | None = None
+
+    # ---- plumbing ------------------------------------------------------------------------
+    def _connect(self) -> Any:
+        if self._client is None:
+            import etcd3gw  # deferred: importing this module must stay cheap
+
+            session = _new_session()
+            creds = self._credentials
+            if creds.ca_cert:
+                session.verify = creds.ca_cert
+            if creds.cert:
+                session.cert = (creds.cert, creds.key) if creds.key else creds.cert
+            self._client = etcd3gw.Etcd3Client(
+                host=self._endpoint.host, port=self._endpoint.port,
+                protocol=self._endpoint.protocol, timeout=self._timeout,
+                api_path="/v3/", session=session)
+        return self._client
+
+    def _authenticate(self, client: Any) -> None:
+        creds = self._credentials
+        client.session.headers.pop("Authorization", None)
+        result = client.post(client.get_url("/auth/authenticate"),
+                             json={"name": creds.user, "password": creds.password or ""})
+        self._token = str(result["token"])
+        client.session.headers["Authorization"] = self._token
+
+    def _call(self, operation: str, fn: Callable[[Any], T]) -> T:
+        with self._lock:
+            client = self._attempt("connecting", lambda _: self._connect())
+            for attempt in (1, 2):
+                if self._credentials.user and self._token is None:
+                    self._attempt(f"logging in as {self._credentials.user}",
+                                  lambda c: self._authenticate(c), client)
+                try:
+                    return self._attempt(operation, fn, client)
+                except _TokenExpired:
+                    if attempt == 2:
+                        raise self._error(operation, Exception(), "invalid auth token") from None
+                    self._token = None  # the token expired: log in again, once
+            raise AssertionError("unreachable")
+
+    def _attempt(self, operation: str, fn: Callable[[Any], T], client: Any = None) -> T:
+        """``fn(client)`` with etcd3gw's and requests' errors turned into ours."""
+        import requests
+        from etcd3gw import exceptions
+
+        try:
+            return fn(client)
+        except requests.exceptions.RequestException as exc:  # outside etcd3gw's post
+            failed = exceptions.ConnectionFailedError(str(exc))
+            raise self._error(operation, failed, _reason(failed)) from exc
+        except exceptions.Etcd3Exception as exc:
+            reason = _reason(exc)
+            if "lease not found" in reason:
+                raise LeaseNotFound(reason) from None
+            if "invalid auth token" in reason and self._credentials.user:
+                raise _TokenExpired(reason) from None
+            raise self._error(operation, exc, reason) from exc
+
+    def _error(self, operation: str, exc: BaseException, reason: str
+               ) -> RendezvousConnectionError:
+        from etcd3gw import exceptions
+
+        if isinstance(exc, (exceptions.ConnectionFailedError,
+                            exceptions.ConnectionTimeoutError)):
+            hint = "check that etcd runs there and --rdzv-endpoint"
+            if "SSL" in reason or "certificate" in reason:
+                hint = "check the TLS options ca_cert, ssl_cert, ssl_cert_key in --rdzv-conf"
+            return RendezvousConnectionError(
+                f"cannot reach etcd at {self.endpoint} ({operation}: {reason}): {hint}")
+        if any(word in reason for word in ("user", "password", "auth", "permission")):
+            return RendezvousConnectionError(
+                f"etcd at {self.endpoint} refused {operation} ({reason}): check user and "
+                "password in --rdzv-conf and the user's permissions on the key prefix")
+        if reason.startswith("404") or "Not Found" in reason:
+            return RendezvousConnectionError(
+                f"{self.endpoint} does not serve etcd's v3 API ({operation}: {reason}): "
+                "point --rdzv-endpoint at an etcd 3.4 or newer")
+        return RendezvousConnectionError(
+            f"etcd at {self.endpoint} failed {operation} ({reason})")
+
+    def _txn(self, client: Any, compare: list[Any], success: list[Any],
+             failure: list[Any]) -> dict[str, Any]:
+        return client.transaction({"compare": compare, "success": success,
+                                   "failure": failure})
+
+    # ---- KV ------------------------------------------------------------------------------
+    def version(self) -> str:
+        def fn(client: Any) -> str:
+            response = client.session.get(f"{self.endpoint}/version", timeout=self._timeout)
+            if response.status_code != 200:
+                from etcd3gw import exceptions
+
+                raise exceptions.Etcd3Exception(f"{response.status_code} {response.reason}")
+            return str(response.json()["etcdserver"])
+
+        return self._call("reading its version", fn)
+
+    def get(self, key: str) -> KeyValue | None:
+        def fn(client: Any) -> KeyValue | None:
+            result = client.post(client.get_url("/kv/range"), json={"key": _b64(key)})
+            kvs = result.get("kvs") or []
+            return _key_value(kvs[0]) if kvs else None
+
+        return self._call(f"reading {key}", fn)
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, KeyValue]:
+        found: dict[str, KeyValue] = {}
+        for chunk in _chunks(list(keys)):
+            def fn(client: Any, chunk: Sequence[str] = chunk) -> None:
+                ops = [{"request_range": {"key": _b64(k)}} for k in chunk]
+                result = self._txn(client, [], ops, [])
+                for response in result.get("responses", []):
+                    for raw in response.get("response_range", {}).get("kvs") or []:
+                        kv = _key_value(raw)
+                        found[kv.key] = kv
+
+            self._call(f"reading {len(chunk)} keys", fn)
+        return found
+
+    def count_prefix(self, prefix: str) -> int:
+        def fn(client: Any) -> int:
+            result = client.post(client.get_url("/kv/range"), json={
+                "key": _b64(prefix), "range_end": _prefix_end(prefix), "count_only": True})
+            return int(result.get("count", 0))
+
+        return self._call(f"counting keys under {prefix}", fn)
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        self.put_many([(key, value)], lease)
+
+    def put_many(self, items: Sequence[tuple[str, bytes]], lease: int = 0) -> None:
+        for chunk in _chunks(list(items)):
+            def fn(client: Any, chunk: Sequence[tuple[str, bytes]] = chunk) -> None:
+                ops = [{"request_put": _put(k, v, lease)} for k, v in chunk]
+                self._txn(client, [], ops, [])
+
+            self._call(f"writing {chunk[0][0]}" if len(chunk) == 1
+                       else f"writing {len(chunk)} keys", fn)
+
+    def swap(self, key: str, value: bytes, revision: int, lease: int = 0
+             ) -> tuple[bool, KeyValue | None]:
+        compare = {"key": _b64(key), "target": "MOD", "result": "EQUAL",
+                   "mod_revision": str(revision)}
+        return self._swap(key, value, compare, lease)
+
+    def swap_value(self, key: str, value: bytes, expected: bytes | None, lease: int = 0
+                   ) -> tuple[bool, KeyValue | None]:
+        if expected is None:
+            compare = {"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+                       "create_revision": "0"}
+        else:
+            compare = {"key": _b64(key), "target": "VALUE", "result": "EQUAL",
+                       "value": _b64(expected)}
+        return self._swap(key, value, compare, lease)
+
+    def _swap(self, key: str, value: bytes, compare: dict[str, Any], lease: int
+              ) -> tuple[bool, KeyValue | None]:
+        def fn(client: Any) -> tuple[bool, KeyValue | None]:
+            read = {"request_range": {"key": _b64(key)}}
+            result = self._txn(client, [compare],
+                               [{"request_put": _put(key, value, lease)}, read], [read])
+            succeeded = bool(result.get("succeeded", False))
+            kvs = (result.get("responses") or [{}])[-1].get("response_range", {}).get("kvs")
+            return succeeded, (_key_value(kvs[0]) if kvs else None)
+
+        return self._call(f"updating {key}", fn)
+
+    def delete(self, key: str) -> bool:
+        def fn(client: Any) -> bool:
+            result = client.post(client.get_url("/kv/deleterange"), json={"key": _b64(key)})
+            return int(result.get("deleted", 0)) > 0
+
+        return self._call(f"deleting {key}", fn)
+
+    def grant_lease(self, ttl: int) -> int:
+        def fn(client: Any) -> int:
+            result = client.post(client.get_url("/lease/grant"), json={"TTL": ttl, "ID": 0})
+            return int(result["ID"])
+
+        return self._call(f"granting a {ttl} s lease", fn)
+
+
+def _session_class() -> type:
+    import requests
+
+    class Session(requests.Session):
+        """A session whose own CA file wins over REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE.
+
+        requests lets those variables override ``session.verify``; a job's etcd CA must
+        not be replaced by the machine's public bundle.
+        """
+
+        def merge_environment_settings(self, url: Any, proxies: Any, stream: Any,
+                                       verify: Any, cert: Any) -> Any:
+            settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            if self.verify is not True and verify is None:
+                settings["verify"] = self.verify
+            return settings
+
+    return Session
+
+
+def _new_session() -> Any:
+    return _session_class()()
+
+
+def _put(key: str, value: bytes, lease: int) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        request["lease"] = str(lease)
+    return request

@@ -1,0 +1,251 @@
+"""Several torchrun agents on one machine, each a "node": lose one whole node, add one back.
+
+Two agents (``--nnodes 1:2``, one worker each) form a world of 2; one agent is SIGKILLed
+with its worker, as losing the machine would; the survivor re-rendezvouses and continues
+at world size 1 from the newest checkpoint; a new agent starts and the job grows back to
+2 and finishes. For every backend the test checks the event log (resize 2 -> 1 -> 2, a
+rendezvous event per world), that every epoch used each sample exactly once in the
+sampler's order despite both resizes, and the global batch before and after each resize.
+
+- ``etcd-v3`` (our backend, on an etcd without the v2 API) under plain ``torchrun``; the
+  node that dies hosts rank 0, so the survivor takes over the event log.
+- stock ``etcd`` (torch's legacy v2 backend) under ``elastic-train run``.
+- ``c10d`` under ``elastic-train run``, with ``--batch-policy scale-lr``. Its store lives
+  in the agent that bound the endpoint first: killing that agent ends the job (the
+  others lose the rendezvous), so the survivable direction is tested — the other agent
+  dies. See the README.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_train.events import EVENTS_FILE, read_events
+from elastic_train.sampler import epoch_order
+from elastic_train.trainer import lr_factor
+from tests.etcd_server import EtcdServer, free_port
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+SAMPLES = 700  # 64-byte windows of the tiny preset
+BATCH = 32
+STEPS = 80
+SEED = 0
+TIMEOUT = 120
+JOB = [
+    "--task", "tests.integration.paced_task:make_task", "--preset", "tiny",
+    "--task-opt", "pace=0.02", "--task-opt", "pace_world_1=0.4",
+    "--task-opt", f"corpus_max_bytes={SAMPLES * 64 + 1}",
+    "--steps", str(STEPS), "--batch-size", str(BATCH), "--checkpoint-every", "5",
+    "--keep-checkpoints", "3", "--log-every", "50", "--record-samples", "true",
+    "--collective-timeout", "30", "--seed", str(SEED),
+]
+# Fast failure detection for a test: a node is dead after 5 s without heartbeat, and a
+# round closes 1 s after its minimum is there.
+FAST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+
+
+@dataclass
+class Resize:
+    """What one node-loss-and-join scenario measured (seconds)."""
+
+    to_first_step: float
+    shrink: float
+    grow: float
+    rendezvous: list[Any]
+
+
+def wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def node_hosting_rank0(*jobs: harness.Job) -> harness.Job:
+    for job in jobs:
+        if 0 in harness.workers_of(job.proc.pid):
+            return job
+    raise AssertionError("no node hosts rank 0")
+
+
+def step_at(world: int, after: float = 0.0, min_step: int = 0) -> Any:
+    return lambda e: (e["event"] == "step" and e["world_size"] == world
+                      and e["time"] > after and e["step"] >= min_step)
+
+
+def lose_a_node_and_add_one(run_dir: Path, rdzv: list[str], launcher: str,
+                            job: list[str], victim: str, first_host_port: int | None = None
+                            ) -> Resize:
+    """The scenario of the module docstring; returns what it measured."""
+    launched = time.time()
+    first = harness.node(run_dir, "node-a", rdzv, job, launcher)
+    if first_host_port is not None:  # c10d: let node-a host the store, then start node-b
+        wait_port(first_host_port, 60)
+    second = harness.node(run_dir, "node-b", rdzv, job, launcher)
+    nodes = [first, second]
+    try:
+        first_step = first.wait_for_event(step_at(2), TIMEOUT)
+        first.wait_for_event(step_at(2, min_step=12), TIMEOUT)
+        dead = node_hosting_rank0(first, second) if victim == "rank0" else second
+        survivor = first if dead is second else second
+        killed_at = dead.kill_node()
+        shrunk = survivor.wait_for_event(step_at(1, after=killed_at), TIMEOUT)
+        joined_at = time.time()
+        third = harness.node(run_dir, "node-c", rdzv, job, launcher)
+        nodes.append(third)
+        grown = survivor.wait_for_event(step_at(2, after=joined_at), TIMEOUT)
+        assert survivor.wait(TIMEOUT) == 0, survivor.report()
+        assert third.wait(TIMEOUT) == 0, third.report()
+    finally:
+        for n in nodes:
+            n.stop()
+    events = survivor.events()
+    return Resize(to_first_step=first_step["time"] - launched,
+                  shrink=shrunk["time"] - killed_at, grow=grown["time"] - joined_at,
+                  rendezvous=[e for e in events if e["event"] == "rendezvous"])
+
+
+def effective_steps(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """{step: {epoch, world_size, indices}} of the incarnation whose step made the weights.
+
+    A step may have been done by several incarnations (redone after a resume from an
+    older checkpoint); the newest counts. Incarnations are told apart by rank 0's start
+    events: a worker's sample records fall between its incarnation's start and the next
+    (a new world starts only after every worker of the old one is gone).
+    """
+    events = list(read_events(run_dir / EVENTS_FILE))
+    starts = sorted(e["time"] for e in events if e["event"] == "start")
+    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for path in (run_dir / "samples").glob("rank-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_step[record["step"]][bisect_right(starts, record["time"])].append(record)
+    steps = {}
+    for step, incarnations in by_step.items():
+        records = sorted(incarnations[max(incarnations)], key=lambda r: r["rank"])
+        world = records[0]["world_size"]
+        assert [r["rank"] for r in records] == list(range(world)), (step, records)
+        assert len({(r["epoch"], r["offset"]) for r in records}) == 1, records
+        steps[step] = {"epoch": records[0]["epoch"], "world_size": world,
+                       "indices": [i for r in records for i in r["indices"]]}
+    return steps
+
+
+def assert_each_sample_once_in_order(run_dir: Path) -> dict[int, int]:
+    """Every epoch used a prefix of its (seed, epoch) order, each sample once; {epoch: n}."""
+    steps = effective_steps(run_dir)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    used: dict[int, list[int]] = defaultdict(list)
+    for step in sorted(steps):
+        used[steps[step]["epoch"]].extend(steps[step]["indices"])
+    for epoch, indices in used.items():
+        assert len(indices) == len(set(indices)), f"epoch {epoch} repeats samples"
+        order = epoch_order(SAMPLES, SEED, epoch).tolist()
+        assert indices == order[:len(indices)], f"epoch {epoch} skipped or reordered samples"
+        if epoch < max(used):  # a finished epoch used all it could before rolling over
+            assert SAMPLES - len(indices) < BATCH
+    return {epoch: len(indices) for epoch, indices in used.items()}
+
+
+def worlds_of(events: list[dict[str, Any]]) -> list[int]:
+    """World sizes of the steps in log order, consecutive repeats merged."""
+    worlds: list[int] = []
+    for e in events:
+        if e["event"] == "step" and (not worlds or worlds[-1] != e["world_size"]):
+            worlds.append(e["world_size"])
+    return worlds
+
+
+def check_the_log(run_dir: Path) -> list[dict[str, Any]]:
+    events = list(read_events(run_dir / EVENTS_FILE))
+    assert worlds_of(events) == [2, 1, 2]
+    resizes = [(e["old_world_size"], e["new_world_size"]) for e in events
+               if e["event"] == "resize"]
+    assert resizes == [(2, 1), (1, 2)]
+    assert_each_sample_once_in_order(run_dir)
+    return events
+
+
+@pytest.fixture
+def report(request: pytest.FixtureRequest) -> Any:
+    def emit(backend: str, measured: Resize) -> None:
+        seconds = [r["seconds"] for r in measured.rendezvous]
+        line = (f"{backend}: launch->first step {measured.to_first_step:.1f}s, kill->first "
+                f"step at world 1 {measured.shrink:.1f}s, new node->first step at world 2 "
+                f"{measured.grow:.1f}s, agent rendezvous seconds {seconds}")
+        request.node.user_properties.append(("measured", line))
+        print(line)
+    return emit
+
+
+def test_etcd_v3_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v3: EtcdServer,
+                                                      report: Any) -> None:
+    assert not etcd_v3.serves_v2()
+    rdzv = ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_v3.endpoint}",
+            f"--rdzv-id={tmp_path.name}", f"--rdzv-conf={FAST}"]
+    run_dir = tmp_path / "run"
+    measured = lose_a_node_and_add_one(run_dir, rdzv, "torchrun", JOB, victim="rank0")
+    events = check_the_log(run_dir)
+    assert {e["global_batch"] for e in events if e["event"] == "step"} == {BATCH}
+    # Under plain torchrun the etcd-v3 handler times each rendezvous for the workers.
+    assert all(r["seconds"] > 0 for r in measured.rendezvous)
+    report("etcd-v3", measured)
+
+
+def test_stock_etcd_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v2: EtcdServer,
+                                                         report: Any) -> None:
+    """torch's legacy ``etcd`` backend on etcd's v2 API, under ``elastic-train run``.
+
+    Its keep-alive TTL is fixed at 10 s: the survivor waits that long for the dead node.
+    """
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_v2.endpoint,
+            "--rdzv-id", tmp_path.name, "--rdzv-conf", "last_call_timeout=1"]
+    run_dir = tmp_path / "run"
+    measured = lose_a_node_and_add_one(run_dir, rdzv, "elastic-train", JOB, victim="rank0")
+    check_the_log(run_dir)
+    # elastic-train run hands torch's agent measurement of each rendezvous to the workers.
+    assert all(r["seconds"] > 0 for r in measured.rendezvous)
+    report("etcd (stock)", measured)
+
+
+def test_c10d_loses_a_node_and_grows_back_scaling_the_lr(tmp_path: Path,
+                                                          report: Any) -> None:
+    """c10d, with the store in node-a: node-b dies (the survivable direction).
+
+    With ``--batch-policy scale-lr`` each rank keeps its 16 samples: the global batch goes
+    32 -> 16 -> 32 and the learning rate follows it.
+    """
+    port = free_port()
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", tmp_path.name, "--rdzv-conf", FAST]
+    run_dir = tmp_path / "run"
+    job = [*JOB, "--batch-policy", "scale-lr"]
+    measured = lose_a_node_and_add_one(run_dir, rdzv, "elastic-train", job,
+                                       victim="store-client", first_host_port=port)
+    events = check_the_log(run_dir)
+    steps = [e for e in events if e["event"] == "step"]
+    by_world = {w: {e["global_batch"] for e in steps if e["world_size"] == w} for w in (1, 2)}
+    assert by_world == {1: {BATCH // 2}, 2: {BATCH}}
+    for e in steps:  # the LR of the next step: the schedule's, times global batch / 32
+        scale = e["global_batch"] / BATCH
+        expected = 3e-3 * lr_factor(e["step"], 20, STEPS, "cosine") * scale
+        assert e["lr"] == pytest.approx(expected, rel=1e-9), e
+    plans = [(p["world_size"], p["global_batch"], p["lr_scale"]) for p in events
+             if p["event"] == "batch_plan"]
+    assert plans == [(2, 32, 1.0), (1, 16, 0.5), (2, 32, 1.0)]
+    assert all(r["seconds"] > 0 for r in measured.rendezvous)
+    report("c10d", measured)

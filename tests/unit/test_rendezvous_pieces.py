@@ -1,0 +1,267 @@
+"""Unit tests of the pure parts of multi-node support: options, leases, batch policy, the
+event log's view of the previous world, the summary across nodes, launcher defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic import metrics
+
+from elastic_train import launch
+from elastic_train.batching import plan_batch
+from elastic_train.env import RENDEZVOUS_SECONDS, read_worker_env
+from elastic_train.errors import ConfigError, RendezvousConfigError
+from elastic_train.events import EventLog, previous_incarnation, read_events_backwards
+from elastic_train.rendezvous import timing
+from elastic_train.rendezvous.client import Endpoint, _reason
+from elastic_train.rendezvous.lease import SharedLease
+from elastic_train.rendezvous.options import EtcdV3Options, check_keep_alive, parse_endpoint
+from elastic_train.summary import summarize
+from tests.memory_kv import MemoryKV
+
+# --- --rdzv-endpoint and --rdzv-conf of etcd-v3 -------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("etcd.example:2380", Endpoint("etcd.example", 2380, "http")),
+    ("etcd.example", Endpoint("etcd.example", 2379, "http")),
+    ("https://10.0.0.5:4001/", Endpoint("10.0.0.5", 4001, "https")),
+    ("[::1]:2379", Endpoint("::1", 2379, "http")),
+    ("[fd00::7]", Endpoint("fd00::7", 2379, "http")),
+])
+def test_endpoints(text: str, expected: Endpoint) -> None:
+    assert parse_endpoint(text, None) == expected
+
+
+def test_endpoint_urls() -> None:
+    assert Endpoint("::1", 2379).url == "http://[::1]:2379"
+    assert parse_endpoint("h:1", "https").url == "https://h:1"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT of an etcd server"),
+    ("h:0", "--rdzv-endpoint h:0 has an invalid port '0': write HOST:PORT"),
+    ("h:port", "--rdzv-endpoint h:port has an invalid port 'port': write HOST:PORT"),
+    ("a:1,b:2", "--rdzv-endpoint a:1,b:2 is invalid: give one etcd member as HOST:PORT"),
+    ("ftp://h:1", "protocol 'ftp' is invalid: use http or https"),
+    (":2379", "--rdzv-endpoint :2379 has no host: write HOST:PORT"),
+])
+def test_bad_endpoints(text: str, message: str) -> None:
+    with pytest.raises(RendezvousConfigError) as info:
+        parse_endpoint(text, None)
+    assert str(info.value) == message
+
+
+def test_defaults_and_every_option(tmp_path: Path) -> None:
+    defaults = EtcdV3Options.parse("h", {"timeout": 900})  # torchrun always adds timeout
+    assert (defaults.key_prefix, defaults.last_call_timeout, defaults.join_timeout) == \
+        ("/elastic_train/rendezvous", 5.0, 600.0)
+    assert (defaults.keep_alive_interval, defaults.keep_alive_max_attempt) == (2.0, 4)
+    assert (defaults.state_ttl, defaults.read_timeout, defaults.request_timeout) == \
+        (7200, 60.0, 10.0)
+    files = {}
+    for name in ("ca.pem", "cert.pem", "key.pem"):
+        files[name] = tmp_path / name
+        files[name].write_text("x")
+    (tmp_path / "pw").write_text("hunter2\n")
+    options = EtcdV3Options.parse("h:1", {
+        "key_prefix": "/jobs/rdzv/", "ca_cert": str(files["ca.pem"]),
+        "ssl_cert": str(files["cert.pem"]), "ssl_cert_key": str(files["key.pem"]),
+        "user": "trainer", "password_file": str(tmp_path / "pw"), "join_timeout": "60",
+        "last_call_timeout": "0.5", "close_timeout": "3", "heartbeat_timeout": "2",
+        "keep_alive_interval": "1", "keep_alive_max_attempt": "6", "read_timeout": "9",
+        "request_timeout": "4", "state_ttl": "0"})
+    assert options.endpoint == Endpoint("h", 1, "https")
+    assert options.key_prefix == "/jobs/rdzv"
+    assert options.credentials.password == "hunter2"
+    assert options.credentials.user == "trainer"
+    assert (options.join_timeout, options.last_call_timeout, options.close_timeout,
+            options.heartbeat_timeout, options.keep_alive_interval,
+            options.keep_alive_max_attempt, options.read_timeout, options.request_timeout,
+            options.state_ttl) == (60, 0.5, 3, 2, 1, 6, 9, 4, 0)
+
+
+@pytest.mark.parametrize(("conf", "message"), [
+    ({"state_ttl": "1.5"}, "--rdzv-conf state_ttl=1.5 is invalid: expected a whole number"),
+    ({"last_call_timeout": "0"}, "--rdzv-conf last_call_timeout=0 is invalid: it must be "
+                                 "positive"),
+    ({"state_ttl": "-1"}, "--rdzv-conf state_ttl=-1 is invalid: it must be >= 0"),
+    ({"ssl_cert": "/c"}, "--rdzv-conf needs both ssl_cert and ssl_cert_key for a client "
+                         "certificate"),
+    ({"user": "u", "password_file": "/nonexistent/pw"},
+     "--rdzv-conf password_file=/nonexistent/pw cannot be read (No such file or directory): "
+     "give a readable file"),
+])
+def test_bad_options(conf: dict[str, str], message: str) -> None:
+    with pytest.raises(RendezvousConfigError) as info:
+        EtcdV3Options.parse("h", conf)
+    assert str(info.value) == message
+    assert isinstance(info.value, ValueError)  # what torch's launcher expects
+
+
+@pytest.mark.parametrize(("interval", "attempts", "ok"), [
+    (1, 5, True), (1, 4, False), (2, 4, True), (2, 3, False), (5, 3, True), (0.5, 8, True)])
+def test_heartbeat_margin(interval: float, attempts: int, ok: bool) -> None:
+    if ok:
+        check_keep_alive(interval, attempts)
+    else:
+        with pytest.raises(RendezvousConfigError, match="use keep_alive_max_attempt="):
+            check_keep_alive(interval, attempts)
+
+
+def test_short_reasons_of_client_errors() -> None:
+    class Fake(Exception):
+        def __init__(self, detail: str) -> None:
+            super().__init__()
+            self.detail_text = detail
+
+    refused = Fake("HTTPConnectionPool(host='h', port=1): Max retries exceeded with url: /v3/x "
+                   "(Caused by NewConnectionError(\"...: [Errno 111] Connection refused\"))")
+    assert _reason(refused) == "[Errno 111] Connection refused"
+    etcd = Fake('{"error":"etcdserver: user name is empty","message":"etcdserver: user name '
+                'is empty","code":3}')
+    assert _reason(etcd) == "etcdserver: user name is empty"
+    assert _reason(Fake("404 Not Found")) == "404 Not Found"
+
+
+# --- the shared lease ---------------------------------------------------------------------
+
+
+def test_the_lease_is_replaced_after_half_its_ttl() -> None:
+    kv, now = MemoryKV(), [0.0]
+    lease = SharedLease(kv, ttl=10, clock=lambda: now[0])
+    first = lease.current()
+    now[0] = 4.9
+    assert lease.current() == first
+    now[0] = 5.0
+    second = lease.current()
+    assert second != first
+    assert SharedLease(kv, ttl=0).current() == 0  # no TTL: keys never expire
+
+
+def test_a_lost_lease_is_granted_again() -> None:
+    kv = MemoryKV()
+    lease = SharedLease(kv, ttl=10, clock=lambda: 0.0)
+    kv.put("/k", b"1", lease.current())
+    kv.advance(11)  # etcd dropped the lease (and its key), our clock did not notice
+    assert kv.get("/k") is None
+    lease.write(lambda lease_id: kv.put("/k", b"2", lease_id))
+    assert kv.get("/k").value == b"2"
+
+
+# --- the batch policy ---------------------------------------------------------------------
+
+
+def test_constant_policy_keeps_the_global_batch() -> None:
+    for world in (1, 2, 3, 8):
+        plan = plan_batch("constant", 64, world, reference_world_size=4)
+        assert (plan.global_batch, plan.lr_scale) == (64, 1.0)
+
+
+def test_scale_lr_keeps_the_per_rank_batch_and_scales_the_lr() -> None:
+    assert [(p.global_batch, p.lr_scale) for p in
+            (plan_batch("scale-lr", 64, w, reference_world_size=4) for w in (1, 2, 4, 8))] == \
+        [(16, 0.25), (32, 0.5), (64, 1.0), (128, 2.0)]
+    odd = plan_batch("scale-lr", 64, 2, reference_world_size=3)
+    assert (odd.global_batch, odd.lr_scale) == (42, 42 / 64)
+
+
+def test_a_batch_smaller_than_the_world_is_refused() -> None:
+    with pytest.raises(ConfigError, match="global batch of 2 samples is smaller than the "
+                                          "world size 3"):
+        plan_batch("scale-lr", 4, 3, reference_world_size=6)
+
+
+# --- the event log's view of the previous world -------------------------------------------
+
+
+def _log(tmp_path: Path, records: list[dict[str, Any]]) -> Path:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    for record in records:
+        log.emit(record.pop("event"), **record)
+    log.close()
+    return path
+
+
+def test_reading_backwards_across_blocks(tmp_path: Path) -> None:
+    path = _log(tmp_path, [{"event": "step", "step": i, "pad": "x" * 50} for i in range(300)])
+    with open(path, "a") as f:
+        f.write('{"event": "step", "step": 30')  # a torn last line is skipped
+    steps = [e["step"] for e in read_events_backwards(path, block=97)]
+    assert steps == list(range(299, -1, -1))
+
+
+def test_previous_incarnation(tmp_path: Path) -> None:
+    path = _log(tmp_path, [
+        {"event": "start", "run_id": "r", "world_size": 2, "restart": 0},
+        {"event": "step", "step": 1}, {"event": "step", "step": 2},
+        {"event": "checkpoint_saved", "step": 2}])
+    previous = previous_incarnation(path, "r")
+    last_step = next(e for e in read_events_backwards(path) if e["event"] == "step")
+    assert previous is not None
+    assert (previous.world_size, previous.restart, previous.last_step_time) == \
+        (2, 0, last_step["time"])
+    assert previous_incarnation(path, "other-run") is None
+    _log(tmp_path, [{"event": "end", "run_id": "r", "step": 2}])
+    assert previous_incarnation(path, "r") is None  # that launch finished
+    assert previous_incarnation(tmp_path / "missing.jsonl", "r") is None
+
+
+# --- the summary of a run whose world changed ----------------------------------------------
+
+
+def test_summary_of_a_multi_node_run_with_rank0_on_a_new_node() -> None:
+    """A grow puts rank 0 on the node that just joined: restart 0 there, same launch."""
+    events: list[dict[str, Any]] = [
+        {"event": "start", "run_id": "job", "restart": 0, "world_size": 2, "total_steps": 30}]
+    events += [{"event": "step", "step": s, "loss": 1.0} for s in range(1, 13)]
+    events += [{"event": "start", "run_id": "job", "restart": 1, "world_size": 1,
+                "total_steps": 30}]
+    events += [{"event": "step", "step": s, "loss": 1.0} for s in range(11, 21)]
+    events += [{"event": "start", "run_id": "job", "restart": 0, "world_size": 2,
+                "total_steps": 30}]
+    events += [{"event": "step", "step": s, "loss": 1.0} for s in range(21, 31)]
+    events.append({"event": "end", "run_id": "job", "step": 30})
+    summary = summarize(events)
+    assert summary.world_sizes == (2, 1, 2)
+    assert (summary.steps_done, summary.restarts, summary.steps_redone) == (30, 1, 2)
+
+
+# --- launcher defaults and the agent's rendezvous timing ----------------------------------
+
+
+def test_rendezvous_conf_defaults_and_overrides() -> None:
+    assert launch.rdzv_conf_with_defaults("c10d", "") == \
+        "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=4"
+    assert launch.rdzv_conf_with_defaults("etcd", "last_call_timeout=1,timeout=60") == \
+        "last_call_timeout=1,timeout=60"
+    assert launch.rdzv_conf_with_defaults("etcd-v3", "") == ""
+    with pytest.raises(ConfigError, match="--rdzv-conf item 'oops' is invalid"):
+        launch.parse_rdzv_conf("a=1,oops")
+
+
+def test_the_agents_rendezvous_time_reaches_the_next_workers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RENDEZVOUS_SECONDS, "stale")
+    seen: list[metrics.MetricData] = []
+
+    class Previous(metrics.MetricHandler):
+        def emit(self, metric_data: metrics.MetricData) -> None:
+            seen.append(metric_data)
+
+    monkeypatch.setattr(metrics.api, "_metrics_map", {"torchelastic": Previous()})
+    timer = timing.install()
+    metrics.put_metric("SimpleElasticAgent._rendezvous.duration.ms", 1234, "torchelastic")
+    metrics.put_metric("SimpleElasticAgent._rendezvous.success", 1, "torchelastic")
+    assert timer.last_seconds == 1.234
+    assert os.environ[RENDEZVOUS_SECONDS] == "1.234"
+    assert read_worker_env({RENDEZVOUS_SECONDS: "1.234"}).rendezvous_seconds == 1.234
+    assert read_worker_env({}).rendezvous_seconds is None
+    assert [m.name for m in seen][-2:] == ["SimpleElasticAgent._rendezvous.duration.ms",
+                                           "SimpleElasticAgent._rendezvous.success"]
+    assert json.dumps(timer.last_seconds)
