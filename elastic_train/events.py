@@ -9,7 +9,6 @@ on every rank, whether or not this rank writes the file.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -91,51 +90,6 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
         return
 
 
-@dataclass(frozen=True)
-class LastIncarnation:
-    """What the log says about the incarnations before a restart."""
-
-    time: float
-    """Time of the newest event: the failed incarnation's last sign of life."""
-    step: int | None
-    """The newest step logged since the launch began (None: no step yet)."""
-
-
-def last_incarnation(path: Path, max_bytes: int = 1 << 20) -> LastIncarnation | None:
-    """Read the log's tail (at most ``max_bytes``) for the newest event and step of the launch.
-
-    The step search stops at the launch's first ``start`` (restart 0), so a step of an
-    earlier launch of the same run directory never counts. None if the log is empty.
-    """
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - max_bytes)
-            f.seek(start)
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    lines = data.split(b"\n")
-    if start > 0:
-        lines = lines[1:]  # the first line may begin before the window
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "event" in record and "time" in record:
-            records.append(record)
-    if not records:
-        return None
-    step = None
-    for record in reversed(records):
-        if record["event"] == "step":
-            step = int(record["step"])
-            break
-        if record["event"] == "start" and record.get("restart", 0) == 0:
-            break
-    return LastIncarnation(float(records[-1]["time"]), step)
 def read_events_backwards(path: Path, block: int = 1 << 16) -> Iterator[dict[str, Any]]:
     """Yield the complete events of a log newest first, reading from its end in blocks."""
     try:
@@ -175,23 +129,32 @@ class Incarnation:
     world_size: int | None
     restart: int
     last_step_time: float | None
+    last_step: int | None = None
+    """Its newest step (None: it made none)."""
+    last_seen: float | None = None
+    """Time of its newest event: its last sign of life."""
 
 
 def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
-    """The newest ``start`` of ``run_id`` not followed by its ``end``, with its last step time.
+    """The newest ``start`` of ``run_id`` not followed by its ``end``, with its last step
+    and last event.
 
     None when there is none: a first start, or the previous launch of this run finished.
     """
-    last_step_time = None
+    last_step: dict[str, Any] | None = None
+    last_seen = None
     for record in read_events_backwards(path):
         kind = record["event"]
+        if last_seen is None:
+            last_seen = record.get("time")
         if kind == "end":
             return None
-        if kind == "step" and last_step_time is None:
-            last_step_time = record.get("time")
+        if kind == "step" and last_step is None:
+            last_step = record
         if kind == "start":
             if record.get("run_id") != run_id:
                 return None
             return Incarnation(record.get("world_size"), int(record.get("restart", 0)),
-                               last_step_time)
+                               last_step.get("time") if last_step else None,
+                               int(last_step["step"]) if last_step else None, last_seen)
     return None

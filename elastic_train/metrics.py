@@ -6,8 +6,9 @@ the same records that rank 0 writes to ``events.jsonl`` (``observe``), so the en
 log and the report agree. Every series carries the bounded labels ``run_id``, ``rank`` and
 ``node``; names follow Prometheus' conventions (one prefix, base units, ``_total``).
 
-Rank 0 alone saves checkpoints and reads the event log, so the checkpoint-save, last-good-
-checkpoint, skipped, recovery and lost-work series come from rank 0 (absent elsewhere).
+Rank 0 alone saves checkpoints and reads the event log (the ``rendezvous`` record tells it
+about the incarnation before), so the checkpoint-save, last-good-checkpoint, skipped,
+recovery and lost-work series come from rank 0 (absent elsewhere).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from prometheus_client.process_collector import ProcessCollector
 from elastic_train import __version__
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import MetricsError
-from elastic_train.events import LastIncarnation
 from elastic_train.sampler import shard_bounds
 
 PREFIX = "elastic_train"
@@ -66,18 +66,17 @@ class _Lazy:
 class WorkerMetrics:
     """The metrics of one worker process.
 
-    ``batch_size`` is the global batch (this rank counts its share of it); ``previous``
-    is what rank 0 read from the event log before a restart (recovery time, lost steps).
-    Nothing is served here: see ``metrics_server``.
+    ``batch_size`` is the configured global batch (this rank counts its share of each step's
+    global batch, which a batch policy may change on a resize). Nothing is served here: see
+    ``metrics_server``.
     """
 
     def __init__(self, registry: CollectorRegistry, env: WorkerEnv, batch_size: int, *,
-                 min_world_size: int = 0, node: str | None = None,
-                 previous: LastIncarnation | None = None) -> None:
+                 min_world_size: int = 0, node: str | None = None) -> None:
         self.rank = env.rank
         self.batch_size = batch_size
-        self.previous = previous
-        self._share = 0
+        self._previous: Mapping[str, Any] = {}   # rank 0: the rendezvous record
+        self._world = env.world_size
         self._first_step_seen = False
         self._window: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_WINDOW + 1)
         self._samples_done = 0
@@ -152,10 +151,13 @@ class WorkerMetrics:
                                           "or restored)")
         self.last_checkpoint_step = later("last_checkpoint_step", "Rank 0: step of the newest "
                                           "good checkpoint")
-        self.rendezvous = later("rendezvous_duration_seconds", "Seconds this worker took to "
-                                "form the process group (joining the store until every rank "
-                                "arrived); the agent's rendezvous before the worker started "
-                                "is not visible to it")
+        self.rendezvous = later("rendezvous_duration_seconds", "Seconds of the agent's "
+                                "rendezvous that formed this incarnation, as torch's agent "
+                                "measures it (passed on by elastic-train run; absent under "
+                                "plain torchrun)")
+        self.group_init = later("process_group_init_seconds", "Seconds this worker took to "
+                                "form its process group (joining the store until every rank "
+                                "arrived)")
         self.to_group = later("time_to_process_group_seconds", "Seconds from the worker "
                               "process' start to its process group being ready")
         self.to_first_step = later("time_to_first_step_seconds", "Seconds from the worker "
@@ -166,9 +168,12 @@ class WorkerMetrics:
         self.lost_steps = later("lost_steps", "Rank 0, after a restart: steps done before the "
                                 "failure that are redone (newest step logged minus the step "
                                 "resumed from)")
+        if env.rendezvous_seconds is not None:
+            self.rendezvous.set(env.rendezvous_seconds)
         ProcessCollector(registry=registry)
         self._handlers: dict[str, Callable[[Mapping[str, Any]], None]] = {
-            "start": self._on_start, "startup": self._on_startup, "step": self._on_step,
+            "start": self._on_start, "rendezvous": self._on_rendezvous,
+            "startup": self._on_startup, "step": self._on_step,
             "checkpoint_saved": self._on_saved, "checkpoint_loaded": self._on_loaded,
             "checkpoint_skipped": self._on_skipped,
             "checkpoint_failed": lambda record: self.failed.inc(),
@@ -182,19 +187,20 @@ class WorkerMetrics:
 
     # ---- one handler per event -----------------------------------------------------------
     def _on_start(self, record: Mapping[str, Any]) -> None:
-        world = int(record.get("world_size") or 1)
-        self.world_size.set(world)
+        self._world = int(record.get("world_size") or self._world)
+        self.world_size.set(self._world)
         if record.get("total_steps"):
             self.target_step.set(record["total_steps"])
-        start, stop = shard_bounds(self.batch_size, self.rank, world)
-        self._share = stop - start
+
+    def _on_rendezvous(self, record: Mapping[str, Any]) -> None:
+        self._previous = record
 
     def _on_startup(self, record: Mapping[str, Any]) -> None:
         """The trainer's start-up timeline (Unix times), logged at the first step."""
         began, ready = record.get("group_began"), record.get("group_ready")
         start, first = record.get("process_start"), record.get("first_step_done")
         if began is not None and ready is not None:
-            self.rendezvous.set(ready - began)
+            self.group_init.set(ready - began)
         if start is not None and ready is not None:
             self.to_group.set(ready - start)
         if start is not None and first is not None:
@@ -203,8 +209,11 @@ class WorkerMetrics:
     def _on_step(self, record: Mapping[str, Any]) -> None:
         now = float(record["time"])
         step = int(record["step"])
+        begin, end = shard_bounds(int(record.get("global_batch") or self.batch_size), self.rank,
+                                  int(record.get("world_size") or self._world))
+        share = end - begin
         self.steps.inc()
-        self.samples.inc(self._share)
+        self.samples.inc(share)
         self.step.set(step)
         self.step_time.set(now)
         for gauge, key in ((self.loss, "loss"), (self.learning_rate, "lr"),
@@ -213,17 +222,19 @@ class WorkerMetrics:
                 gauge.set(record[key])
         if record.get("seconds") is not None:
             self.step_duration.observe(record["seconds"])
-        self._samples_done += self._share
+        self._samples_done += share
         self._window.append((now, self._samples_done))
         (t0, s0), (t1, s1) = self._window[0], self._window[-1]
         if t1 > t0:
             self.samples_per_second.set((s1 - s0) / (t1 - t0))
         if not self._first_step_seen:
             self._first_step_seen = True
-            if self.previous is not None:
-                self.recovery.set(max(0.0, now - self.previous.time))
-                if self.previous.step is not None:
-                    self.lost_steps.set(max(0, self.previous.step - (step - 1)))
+            last_seen = self._previous.get("previous_last_seen")
+            last_step = self._previous.get("previous_last_step")
+            if last_seen is not None:
+                self.recovery.set(max(0.0, now - last_seen))
+            if last_step is not None:
+                self.lost_steps.set(max(0, last_step - (step - 1)))
 
     def _on_saved(self, record: Mapping[str, Any]) -> None:
         for histogram, field in self.save_stages.values():

@@ -13,7 +13,6 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -23,7 +22,6 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from elastic_train.config import JobConfig
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import MetricsError
-from elastic_train.events import EVENTS_FILE, last_incarnation
 from elastic_train.metrics import WorkerMetrics, check_single_process_mode
 
 log = logging.getLogger(__name__)
@@ -174,11 +172,7 @@ class WorkerEndpoint:
 
 
 def serve_worker_metrics(config: JobConfig, env: WorkerEnv) -> WorkerEndpoint | None:
-    """Build this worker's metrics and serve them on ``port + local rank``; None if off.
-
-    Rank 0 of a restarted incarnation reads the event log's tail first (before this
-    incarnation logs anything) for the recovery time and the lost steps.
-    """
+    """Build this worker's metrics and serve them on ``port + local rank``; None if off."""
     settings = config.metrics
     if not settings.port:
         return None
@@ -187,12 +181,9 @@ def serve_worker_metrics(config: JobConfig, env: WorkerEnv) -> WorkerEndpoint | 
     if port > 65535:
         raise MetricsError(f"--metrics-port {settings.port} + local rank {env.local_rank} is "
                            "above 65535: pass a lower --metrics-port")
-    previous = None
-    if env.rank == 0 and env.restart_count > 0:
-        previous = last_incarnation(Path(config.run_dir) / EVENTS_FILE)
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, env, config.train.batch_size,
-                            min_world_size=settings.min_world_size, previous=previous)
+                            min_world_size=settings.min_world_size)
     server = MetricsServer(registry, settings.address, port)
     log.info("serving metrics at %s", server.url)
     return WorkerEndpoint(metrics, server)

@@ -106,7 +106,8 @@ class Progress:
         parts.append(f"world {record.get('world_size', '?')}")
         rate = self._rate()
         if rate is not None:
-            parts.append(f"{rate * self.batch_size:.0f} samples/s")
+            batch = record.get("global_batch") or self.batch_size   # a policy may change it
+            parts.append(f"{rate * batch:.0f} samples/s")
             parts.append(f"eta {format_eta(max(0, self.total - step) / rate)}")
         return "  ".join(parts)
 

@@ -292,7 +292,9 @@ class Trainer:
         ``seconds`` is torch's agent's own measurement of the rendezvous when
         ``elastic-train run`` passed it on (rendezvous/timing.py), else null;
         ``since_last_step_seconds`` is the time since the previous world's last step (the
-        failure or membership change, its detection, the rendezvous and this start-up).
+        failure or membership change, its detection, the rendezvous and this start-up);
+        ``previous_last_step`` and ``previous_last_seen`` (its newest event's time) give the
+        metrics the steps redone and the recovery time.
         """
         if self.group.rank != 0:
             return
@@ -303,6 +305,8 @@ class Trainer:
         self.events.emit("rendezvous", restart=self.env.restart_count, world_size=world,
                          nodes=self.env.group_world_size,
                          previous_world_size=previous.world_size if previous else None,
+                         previous_last_step=previous.last_step if previous else None,
+                         previous_last_seen=previous.last_seen if previous else None,
                          seconds=self.env.rendezvous_seconds,
                          since_last_step_seconds=since)
         if previous is not None and previous.world_size not in (None, world):

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def train(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "elastic_train.train", "--run-dir", str(run_dir),
-         "--preset", "tiny", "--batch-size", "16", *args],
+         *harness.with_metrics_ports(["--preset", "tiny", "--batch-size", "16", *args], 1)],
         capture_output=True, text=True, timeout=180, env=harness.job_env())
 
 
@@ -77,7 +77,8 @@ def test_failed_writes_are_reported_and_keep_the_last_good_checkpoint(tmp_path: 
     # Resume with a file-size limit below one payload: every save now fails in the OS.
     result = subprocess.run(
         [sys.executable, "-m", "elastic_train.train", "--run-dir", str(run_dir),
-         "--preset", "tiny", "--batch-size", "16", "--steps", "40", "--checkpoint-every", "10"],
+         *harness.with_metrics_ports(["--preset", "tiny", "--batch-size", "16", "--steps", "40",
+                                      "--checkpoint-every", "10"], 1)],
         capture_output=True, text=True, timeout=180, env=harness.job_env(),
         preexec_fn=_limit_file_size(256 * 1024))
     assert result.returncode == 1

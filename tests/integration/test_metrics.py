@@ -85,9 +85,10 @@ def test_each_worker_serves_the_exact_counts(tmp_path: Path) -> None:
         assert value("elastic_train_checkpoints_skipped_total") == 0
         assert value("elastic_train_build_info", version=__version__) == 1
         assert value("elastic_train_samples_per_second") > 0
-        assert 0 < value("elastic_train_rendezvous_duration_seconds") \
+        assert 0 < value("elastic_train_process_group_init_seconds") \
             < value("elastic_train_time_to_process_group_seconds") \
             < value("elastic_train_time_to_first_step_seconds")
+        assert value("elastic_train_rendezvous_duration_seconds") is None  # plain torchrun
         assert value("elastic_train_recovery_seconds") is None   # no restart happened
         saves = value("elastic_train_checkpoint_save_duration_seconds_count", stage="snapshot")
         if rank == 0:   # rank 0's step records are the log's

@@ -1,14 +1,14 @@
 """A real Prometheus (deploy/'s config and alert rules) scrapes a real 2-worker elastic job
-while one worker is SIGKILLed: both workers' series, the restart counter going up, the world
-size, steps continuing after the restart, values equal to the event log's, the alert rules
-and every dashboard query on that data; and ``elastic-train report`` draws the run.
+(``elastic-train run``) while one worker is SIGKILLed: both workers' series, the restart
+counter going up, the world size, steps continuing after the restart, values equal to the
+event log's, the alert rules and every dashboard query on that data; and ``elastic-train
+report`` draws the run.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ import pytest
 from elastic_train import cli
 from elastic_train.sampler import shard_bounds
 from tests.integration import harness, prom
+from tests.unit.test_report import png_size
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +68,11 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     if prom.available("prometheus"):
         server = prom.start(work / "prometheus", [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"])
     run_dir = work / "run"
-    job = harness.torchrun(run_dir, [
-        "--preset", "tiny", "--steps", str(STEPS), "--batch-size", str(BATCH),
-        "--checkpoint-every", str(EVERY), "--metrics-port", str(base),
-        "--metrics-address", "127.0.0.1", "--metrics-linger", "30", "--min-world-size", "2"],
-        max_restarts=2)
+    job = harness.elastic_run(run_dir, [
+        "--max-restarts", "2", "--preset", "tiny", "--steps", str(STEPS),
+        "--batch-size", str(BATCH), "--checkpoint-every", str(EVERY),
+        "--metrics-port", str(base), "--metrics-address", "127.0.0.1", "--metrics-linger", "30",
+        "--min-world-size", "2"])
     try:
         if server is not None:   # kill once Prometheus has seen both workers past step 25
             def alive() -> None:
@@ -155,12 +156,21 @@ def test_prometheus_values_equal_the_event_log(observed: Observed) -> None:
         {"0": len(saves_after), "1": 0}
     assert last("elastic_train_last_checkpoint_step") == {"0": STEPS}
     assert last("elastic_train_step") == {"0": STEPS, "1": STEPS}
+    # The agent's rendezvous of the restart, as torch measured it, reached both workers.
+    assert last("elastic_train_rendezvous_duration_seconds") == {
+        "0": restart_rendezvous(observed), "1": restart_rendezvous(observed)}
+
+
+def restart_rendezvous(observed: Observed) -> float:
+    seconds = observed.first("rendezvous", restart=1)["seconds"]
+    assert seconds is not None and seconds > 0
+    return seconds
 
 
 def test_alert_rules_load_evaluate_and_fire_on_the_restart(observed: Observed) -> None:
     server = observed.server()
     rules = [r for g in server.api("rules")["groups"] for r in g["rules"]]
-    assert len(rules) == 5
+    assert len(rules) == 6
     assert all(r["health"] == "ok" for r in rules), rules
     fired = server.query('max by (alertname, run_id) (max_over_time('
                          'ALERTS{alertstate="firing"}[10m]))', at=observed.final)
@@ -187,12 +197,6 @@ def test_every_dashboard_query_returns_data(observed: Observed) -> None:
     server.query(annotation.replace("$run_id", ".*"), at=at)   # valid PromQL
     run_ids = server.api("label/run_id/values", **{"match[]": "elastic_train_build_info"})
     assert observed.first("start")["run_id"] in run_ids
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    return struct.unpack(">II", header[16:24])
 
 
 def test_report_draws_the_failed_run(observed: Observed,

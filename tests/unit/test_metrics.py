@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from elastic_train.config import JobConfig, MetricsConfig
 from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import MetricsError
-from elastic_train.events import EventLog, LastIncarnation, last_incarnation, read_events
+from elastic_train.events import EventLog, previous_incarnation, read_events
 from elastic_train.metrics import WorkerMetrics, check_single_process_mode
 from elastic_train.metrics_server import MetricsServer, check_ports_free, serve_worker_metrics
 
@@ -41,14 +41,16 @@ def step(n: int, time: float, **extra: Any) -> dict[str, Any]:
 
 def test_values_follow_the_records_of_a_restarted_rank0() -> None:
     registry = CollectorRegistry()
-    env = WorkerEnv(rank=0, world_size=2, restart_count=1, max_restarts=3, run_id="r")
-    metrics = WorkerMetrics(registry, env, batch_size=15, node="n", min_world_size=2,
-                            previous=LastIncarnation(time=100.0, step=27))
+    env = WorkerEnv(rank=0, world_size=2, restart_count=1, max_restarts=3, run_id="r",
+                    rendezvous_seconds=2.5)
+    metrics = WorkerMetrics(registry, env, batch_size=15, node="n", min_world_size=2)
     rank0 = {"rank": "0"}
     assert value(registry, "elastic_train_step", **rank0) is None   # not known yet
     assert value(registry, "elastic_train_steps_total", **rank0) == 0
     feed(metrics,
          {"event": "start", "time": 96.0, "world_size": 2, "total_steps": 40, "restart": 1},
+         {"event": "rendezvous", "time": 96.1, "previous_last_step": 27,
+          "previous_last_seen": 100.0},
          {"event": "checkpoint_skipped", "time": 96.5, "step": 25},
          {"event": "checkpoint_loaded", "time": 97.0, "step": 20, "seconds": 0.25,
           "saved_time": 80.0},
@@ -72,7 +74,8 @@ def test_values_follow_the_records_of_a_restarted_rank0() -> None:
         "elastic_train_checkpoint_size_bytes": 1234,
         "elastic_train_last_checkpoint_step": 30,
         "elastic_train_last_checkpoint_timestamp_seconds": 106.0,
-        "elastic_train_rendezvous_duration_seconds": 1.5,
+        "elastic_train_rendezvous_duration_seconds": 2.5,   # the agent's, from the env
+        "elastic_train_process_group_init_seconds": 1.5,
         "elastic_train_time_to_process_group_seconds": 5.0,
         "elastic_train_time_to_first_step_seconds": 10.5,
         "elastic_train_recovery_seconds": 0.5,     # first step at 100.5, last sign at 100
@@ -106,7 +109,8 @@ def test_rank1_counts_its_share_and_exposes_no_rank0_series() -> None:
     assert value(registry, "elastic_train_steps_total", **one) == 2
     assert value(registry, "elastic_train_checkpoint_load_duration_seconds_count", **one) == 1
     for absent in ("elastic_train_last_checkpoint_step", "elastic_train_recovery_seconds",
-                   "elastic_train_lost_steps", "elastic_train_min_world_size"):
+                   "elastic_train_lost_steps", "elastic_train_min_world_size",
+                   "elastic_train_rendezvous_duration_seconds"):
         assert value(registry, absent, **one) is None, absent
 
 
@@ -245,9 +249,11 @@ def test_promtool_finds_nothing_to_lint(tmp_path: Path) -> None:
     from tests.integration.prom import tool
 
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry, WorkerEnv(restart_count=1, run_id="r"), batch_size=2,
-                            previous=LastIncarnation(1.0, 3))
+    metrics = WorkerMetrics(registry, WorkerEnv(restart_count=1, run_id="r",
+                                                rendezvous_seconds=0.3), batch_size=2)
     feed(metrics, {"event": "start", "time": 1.0, "world_size": 1, "total_steps": 9},
+         {"event": "rendezvous", "time": 1.0, "previous_last_step": 3,
+          "previous_last_seen": 0.9},
          {"event": "startup", "time": 2.0, "process_start": 0.5, "group_began": 0.8,
           "group_ready": 0.9, "first_step_done": 2.0},
          {"event": "checkpoint_loaded", "time": 1.5, "step": 2, "seconds": 0.1,
@@ -279,27 +285,29 @@ def test_observers_see_every_record_also_where_the_log_is_off(tmp_path: Path) ->
     assert seen[-1]["step"] == 2 and not (tmp_path / "off.jsonl").exists()
 
 
-def write_log(path: Path, records: list[dict[str, Any]], torn: str = "") -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records) + torn)
-
-
-def test_last_incarnation_reads_the_newest_event_and_step_of_the_launch(tmp_path: Path) -> None:
+def test_previous_incarnation_knows_its_last_step_and_last_sign_of_life(tmp_path: Path
+                                                                        ) -> None:
     path = tmp_path / "events.jsonl"
-    assert last_incarnation(path) is None
-    older_launch = [{"event": "start", "time": 1.0, "restart": 0},
-                    {"event": "step", "time": 2.0, "step": 50}]
-    launch = [{"event": "start", "time": 10.0, "restart": 0},
-              *[{"event": "step", "time": 10.0 + s, "step": s} for s in range(1, 31)],
-              {"event": "checkpoint_saved", "time": 41.0, "step": 30}]
-    write_log(path, older_launch + launch, torn='{"event": "st')
-    assert last_incarnation(path) == LastIncarnation(41.0, 30)
-    # A tail window that starts mid-line still parses what follows.
-    assert last_incarnation(path, max_bytes=200) == LastIncarnation(41.0, 30)
-    # A restarted incarnation that died before its first step: the step is the one before.
-    restart = [{"event": "start", "time": 50.0, "restart": 1},
-               {"event": "checkpoint_loaded", "time": 51.0, "step": 20}]
-    write_log(path, older_launch + launch + restart)
-    assert last_incarnation(path) == LastIncarnation(51.0, 30)
-    # A new launch that has not stepped yet never borrows the older launch's step.
-    write_log(path, [*older_launch, {"event": "start", "time": 60.0, "restart": 0}])
-    assert last_incarnation(path) == LastIncarnation(60.0, None)
+    records = [{"event": "start", "time": 10.0, "run_id": "r", "restart": 0, "world_size": 2},
+               *[{"event": "step", "time": 10.0 + n, "step": n} for n in range(1, 31)],
+               {"event": "checkpoint_saved", "time": 41.0, "step": 30}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"event": "st')
+    previous = previous_incarnation(path, "r")
+    assert previous is not None
+    assert (previous.last_step, previous.last_step_time, previous.last_seen) == (30, 40.0, 41.0)
+    # One that died before its first step: no step of its own.
+    with open(path, "a") as f:
+        f.write("\n" + json.dumps({"event": "start", "time": 50.0, "run_id": "r",
+                                   "restart": 1, "world_size": 2}) + "\n")
+    previous = previous_incarnation(path, "r")
+    assert previous is not None
+    assert (previous.restart, previous.last_step, previous.last_seen) == (1, None, 50.0)
+
+
+def test_the_share_follows_the_global_batch_of_each_step() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, WorkerEnv(rank=1, world_size=2, run_id="r"),
+                            batch_size=16, node="n")
+    feed(metrics, {"event": "start", "time": 1.0, "world_size": 2, "total_steps": 9},
+         step(1, 2.0), step(2, 3.0, global_batch=30))   # a batch policy doubled it
+    assert value(registry, "elastic_train_samples_total", rank="1") == 8 + 15

@@ -74,8 +74,9 @@ def test_summary_names_the_failure_and_the_resize(tmp_path: Path) -> None:
 
 
 def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG file."""
     header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     return struct.unpack(">II", header[16:24])
 
 
