@@ -133,8 +133,10 @@ def _chunks(items: Sequence[T], size: int = MAX_TXN_OPS) -> Iterable[Sequence[T]
         yield items[start:start + size]
 
 
-_ERRNO = re.compile(r"\[Errno -?\d+\] [^'\")]+|timed out|certificate verify failed[^'\")]*"
-                    r"|SSL[^'\")]{0,80}|Connection refused|Connection reset[^'\")]*")
+# The informative part of a requests / urllib3 error, most specific first.
+_CAUSES = [re.compile(p) for p in (
+    r"certificate verify failed[^'\")(]*", r"\[Errno -?\d+\] [^'\")]+", r"timed out",
+    r"Connection (?:refused|reset|aborted)[^'\")]*", r"\[SSL[^\]]*\][^'\")(]*")]
 
 
 def _reason(exc: BaseException) -> str:
@@ -146,9 +148,10 @@ def _reason(exc: BaseException) -> str:
             return str(message)
     except (ValueError, AttributeError):
         pass
-    found = _ERRNO.search(detail)
-    if found:
-        return found.group(0).strip()
+    for cause in _CAUSES:
+        found = cause.search(detail)
+        if found:
+            return found.group(0).strip()
     return (detail.strip().splitlines() or [type(exc).__name__])[0][:160]
 
 
