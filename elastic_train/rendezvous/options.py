@@ -30,8 +30,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                           "the minimum"),
     "close_timeout": (30.0, "seconds to mark the rendezvous closed at the end"),
     "heartbeat_timeout": (5.0, "seconds one keep-alive heartbeat may take"),
-    "keep_alive_interval": (2.0, "seconds between a node's heartbeats"),
-    "keep_alive_max_attempt": (4, "heartbeat intervals after which a silent node counts as "
+    "keep_alive_interval": (5.0, "seconds between a node's heartbeats"),
+    "keep_alive_max_attempt": (3, "heartbeat intervals after which a silent node counts as "
                                "dead (at least 2 + 3 s / keep_alive_interval)"),
     "read_timeout": (60.0, "seconds a store read waits for another agent's key"),
     "request_timeout": (10.0, "seconds one request to etcd may take"),

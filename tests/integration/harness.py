@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -282,6 +284,44 @@ def node(run_dir: Path, name: str, rdzv: Sequence[str], job_args: Sequence[str],
                 str(run_dir), *job_args]
         env = job_env()
     return start(argv, run_dir, env, log_name=name)
+
+
+def readme_commands() -> list[str]:
+    """Every ``$ command`` line of the README's console blocks."""
+    return re.findall(r"^\$ (.+)$", (REPO / "README.md").read_text(), flags=re.M)
+
+
+def readme_command(*needles: str) -> str:
+    """The one README command that contains every needle."""
+    found = [c for c in readme_commands() if all(n in c for n in needles)]
+    assert len(found) == 1, f"README commands with {needles}: {found}"
+    return found[0]
+
+
+def readme_argv(command: str, replace: dict[str, str] | None = None,
+                launcher: Sequence[str] = (), job: Sequence[str] = ()
+                ) -> tuple[list[str], dict[str, str]]:
+    """A README command as argv for this Python, and the variables it sets before it.
+
+    ``replace`` substitutes text (an endpoint); ``launcher`` options go where the launcher
+    reads them (before ``-m`` for torchrun), overriding the README's; ``job`` options go
+    last, overriding the README's job options.
+    """
+    for old, new in (replace or {}).items():
+        assert old in command, f"{old!r} is not in {command!r}"
+        command = command.replace(old, new)
+    tokens = shlex.split(command)
+    env: dict[str, str] = {}
+    while "=" in tokens[0] and not tokens[0].startswith("-"):
+        key, value = tokens.pop(0).split("=", 1)
+        env[key] = value
+    program, rest = tokens[0], tokens[1:]
+    if program == "elastic-train":
+        return [sys.executable, "-m", "elastic_train", *rest, *launcher, *job], env
+    assert program == "torchrun", command
+    module = rest.index("-m")
+    return [sys.executable, "-m", "torch.distributed.run", *rest[:module], *launcher,
+            *rest[module:], *job], env
 
 
 def elastic_run(run_dir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> Job:

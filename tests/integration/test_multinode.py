@@ -4,16 +4,18 @@ Two agents (``--nnodes 1:2``, one worker each) form a world of 2; one agent is S
 with its worker, as losing the machine would; the survivor re-rendezvouses and continues
 at world size 1 from the newest checkpoint; a new agent starts and the job grows back to
 2 and finishes. For every backend the test checks the event log (resize 2 -> 1 -> 2, a
-rendezvous event per world), that every epoch used each sample exactly once in the
-sampler's order despite both resizes, and the global batch before and after each resize.
+rendezvous event with its duration per world), that every epoch used each sample exactly
+once in the sampler's order despite both resizes, and the global batch before and after
+each resize. The nodes run the README's commands (endpoint and job options replaced).
 
-- ``etcd-v3`` (our backend, on an etcd without the v2 API) under plain ``torchrun``; the
-  node that dies hosts rank 0, so the survivor takes over the event log.
-- stock ``etcd`` (torch's legacy v2 backend) under ``elastic-train run``.
-- ``c10d`` under ``elastic-train run``, with ``--batch-policy scale-lr``. Its store lives
-  in the agent that bound the endpoint first: killing that agent ends the job (the
-  others lose the rendezvous), so the survivable direction is tested — the other agent
-  dies. See the README.
+- ``etcd-v3`` (our backend, on an etcd without the v2 API): ``elastic-train run`` nodes,
+  the joining node plain ``torchrun``; the node that dies hosts rank 0, so the survivor
+  takes over the event log.
+- stock ``etcd`` (torch's legacy v2 backend), the node hosting rank 0 dies.
+- ``c10d``, with ``--batch-policy scale-lr``. Its store lives in the agent that bound the
+  endpoint first: killing that agent ends the job (the others lose the rendezvous), so
+  the survivable direction is tested — the other agent dies. See the README.
+- ``etcd-v2`` (torch's dynamic backend on v2) forms a world of two under plain torchrun.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import socket
 import time
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,15 +90,23 @@ def step_at(world: int, after: float = 0.0, min_step: int = 0) -> Any:
                       and e["time"] > after and e["step"] >= min_step)
 
 
-def lose_a_node_and_add_one(run_dir: Path, rdzv: list[str], launcher: str,
-                            job: list[str], victim: str, first_host_port: int | None = None
-                            ) -> Resize:
+def readme_node(command: str, run_dir: Path, name: str, replace: dict[str, str],
+                rdzv_id: str, conf: str | None, job: list[str]) -> harness.Job:
+    """A node started with a README command (endpoint replaced, options for the test)."""
+    launcher = [f"--rdzv-id={rdzv_id}", *([f"--rdzv-conf={conf}"] if conf else [])]
+    argv, env = harness.readme_argv(command, replace, launcher, [*job, "--run-dir",
+                                                                  str(run_dir)])
+    return harness.start(argv, run_dir, harness.job_env(env), log_name=name)
+
+
+def lose_a_node_and_add_one(run_dir: Path, start_node: Callable[[str], harness.Job],
+                            victim: str, first_host_port: int | None = None) -> Resize:
     """The scenario of the module docstring; returns what it measured."""
     launched = time.time()
-    first = harness.node(run_dir, "node-a", rdzv, job, launcher)
+    first = start_node("node-a")
     if first_host_port is not None:  # c10d: let node-a host the store, then start node-b
         wait_port(first_host_port, 60)
-    second = harness.node(run_dir, "node-b", rdzv, job, launcher)
+    second = start_node("node-b")
     nodes = [first, second]
     try:
         first_step = first.wait_for_event(step_at(2), TIMEOUT)
@@ -105,7 +116,7 @@ def lose_a_node_and_add_one(run_dir: Path, rdzv: list[str], launcher: str,
         killed_at = dead.kill_node()
         shrunk = survivor.wait_for_event(step_at(1, after=killed_at), TIMEOUT)
         joined_at = time.time()
-        third = harness.node(run_dir, "node-c", rdzv, job, launcher)
+        third = start_node("node-c")
         nodes.append(third)
         grown = survivor.wait_for_event(step_at(2, after=joined_at), TIMEOUT)
         assert survivor.wait(TIMEOUT) == 0, survivor.report()
@@ -194,28 +205,40 @@ def report(request: pytest.FixtureRequest) -> Any:
 
 def test_etcd_v3_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v3: EtcdServer,
                                                       report: Any) -> None:
+    """The README's etcd-v3 commands: nodes a and b run ``elastic-train run``, the node
+    that joins later runs plain ``torchrun`` (the entry point registered the backend)."""
     assert not etcd_v3.serves_v2()
-    rdzv = ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_v3.endpoint}",
-            f"--rdzv-id={tmp_path.name}", f"--rdzv-conf={FAST}"]
+    elastic = harness.readme_command("elastic-train run", "--rdzv-backend etcd-v3")
+    torchrun = harness.readme_command("torchrun", "--rdzv-backend etcd-v3")
     run_dir = tmp_path / "run"
-    measured = lose_a_node_and_add_one(run_dir, rdzv, "torchrun", JOB, victim="rank0")
+
+    def start(name: str) -> harness.Job:
+        command = torchrun if name == "node-c" else elastic
+        return readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v3.endpoint},
+                           tmp_path.name, FAST, JOB)
+
+    measured = lose_a_node_and_add_one(run_dir, start, victim="rank0")
     events = check_the_log(run_dir)
     assert {e["global_batch"] for e in events if e["event"] == "step"} == {BATCH}
-    # Under plain torchrun the etcd-v3 handler times each rendezvous for the workers.
+    # The agent's timing (elastic-train run) or the etcd-v3 handler's (torchrun).
     assert all(r["seconds"] > 0 for r in measured.rendezvous)
     report("etcd-v3", measured)
 
 
 def test_stock_etcd_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v2: EtcdServer,
                                                          report: Any) -> None:
-    """torch's legacy ``etcd`` backend on etcd's v2 API, under ``elastic-train run``.
+    """torch's legacy ``etcd`` backend on etcd's v2 API, with the README's command.
 
     Its keep-alive TTL is fixed at 10 s: the survivor waits that long for the dead node.
     """
-    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_v2.endpoint,
-            "--rdzv-id", tmp_path.name, "--rdzv-conf", "last_call_timeout=1"]
+    command = harness.readme_command("elastic-train run", "--rdzv-backend etcd ")
     run_dir = tmp_path / "run"
-    measured = lose_a_node_and_add_one(run_dir, rdzv, "elastic-train", JOB, victim="rank0")
+
+    def start(name: str) -> harness.Job:
+        return readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v2.endpoint},
+                           tmp_path.name, "last_call_timeout=1", JOB)
+
+    measured = lose_a_node_and_add_one(run_dir, start, victim="rank0")
     check_the_log(run_dir)
     # elastic-train run hands torch's agent measurement of each rendezvous to the workers.
     assert all(r["seconds"] > 0 for r in measured.rendezvous)
@@ -224,18 +247,20 @@ def test_stock_etcd_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v2:
 
 def test_c10d_loses_a_node_and_grows_back_scaling_the_lr(tmp_path: Path,
                                                           report: Any) -> None:
-    """c10d, with the store in node-a: node-b dies (the survivable direction).
-
-    With ``--batch-policy scale-lr`` each rank keeps its 16 samples: the global batch goes
-    32 -> 16 -> 32 and the learning rate follows it.
-    """
+    """c10d with the README's command, the store in node-a: node-b dies (the survivable
+    direction). ``--batch-policy scale-lr`` keeps each rank's 16 samples: the global batch
+    goes 32 -> 16 -> 32 and the learning rate follows it."""
+    command = harness.readme_command("elastic-train run", "--rdzv-backend c10d")
+    assert "--batch-policy scale-lr" in command
     port = free_port()
-    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", tmp_path.name, "--rdzv-conf", FAST]
     run_dir = tmp_path / "run"
-    job = [*JOB, "--batch-policy", "scale-lr"]
-    measured = lose_a_node_and_add_one(run_dir, rdzv, "elastic-train", job,
-                                       victim="store-client", first_host_port=port)
+
+    def start(name: str) -> harness.Job:
+        return readme_node(command, run_dir, name, {"127.0.0.1:29400": f"127.0.0.1:{port}"},
+                           tmp_path.name, FAST, JOB)
+
+    measured = lose_a_node_and_add_one(run_dir, start, victim="store-client",
+                                       first_host_port=port)
     events = check_the_log(run_dir)
     steps = [e for e in events if e["event"] == "step"]
     by_world = {w: {e["global_batch"] for e in steps if e["world_size"] == w} for w in (1, 2)}
@@ -249,3 +274,22 @@ def test_c10d_loses_a_node_and_grows_back_scaling_the_lr(tmp_path: Path,
     assert plans == [(2, 32, 1.0), (1, 16, 0.5), (2, 32, 1.0)]
     assert all(r["seconds"] > 0 for r in measured.rendezvous)
     report("c10d", measured)
+
+
+def test_stock_etcd_v2_forms_a_two_node_world(tmp_path: Path, etcd_v2: EtcdServer) -> None:
+    """torch's ``etcd-v2`` backend under plain torchrun, with the README's command."""
+    command = harness.readme_command("torchrun", "--rdzv-backend etcd-v2")
+    run_dir = tmp_path / "run"
+    job = ["--preset", "tiny", "--steps", "10", "--batch-size", "32", "--checkpoint-every",
+           "5"]
+    nodes = [readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v2.endpoint},
+                         tmp_path.name, None, job) for name in ("node-a", "node-b")]
+    try:
+        for node in nodes:
+            assert node.wait(TIMEOUT) == 0, node.report()
+    finally:
+        for node in nodes:
+            node.stop()
+    events = list(read_events(run_dir / EVENTS_FILE))
+    assert {e["world_size"] for e in events if e["event"] == "step"} == {2}
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 11))

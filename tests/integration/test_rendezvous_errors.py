@@ -99,7 +99,7 @@ def test_heartbeat_settings_of_torchs_backends_are_checked_too(
                           "127.0.0.1:29400", "--rdzv-conf", "keep_alive_interval=1",
                           "--run-dir", str(tmp_path / "run"))
     assert code == 2
-    assert "keep_alive_max_attempt=4 declares a node dead after 4 s" in line
+    assert "keep_alive_max_attempt=3 declares a node dead after 3 s" in line
 
 
 # ---- TLS and authentication against real etcd servers ------------------------------------

@@ -60,7 +60,7 @@ def test_defaults_and_every_option(tmp_path: Path) -> None:
     defaults = EtcdV3Options.parse("h", {"timeout": 900})  # torchrun always adds timeout
     assert (defaults.key_prefix, defaults.last_call_timeout, defaults.join_timeout) == \
         ("/elastic_train/rendezvous", 5.0, 600.0)
-    assert (defaults.keep_alive_interval, defaults.keep_alive_max_attempt) == (2.0, 4)
+    assert (defaults.keep_alive_interval, defaults.keep_alive_max_attempt) == (5.0, 3)
     assert (defaults.state_ttl, defaults.read_timeout, defaults.request_timeout) == \
         (7200, 60.0, 10.0)
     files = {}
@@ -236,8 +236,9 @@ def test_summary_of_a_multi_node_run_with_rank0_on_a_new_node() -> None:
 
 
 def test_rendezvous_conf_defaults_and_overrides() -> None:
-    assert launch.rdzv_conf_with_defaults("c10d", "") == \
-        "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=4"
+    assert launch.rdzv_conf_with_defaults("c10d", "") == "last_call_timeout=5"
+    with pytest.raises(RendezvousConfigError, match="use keep_alive_max_attempt=5 or more"):
+        launch.rdzv_conf_with_defaults("etcd-v2", "keep_alive_interval=1")
     assert launch.rdzv_conf_with_defaults("etcd", "last_call_timeout=1,timeout=60") == \
         "last_call_timeout=1,timeout=60"
     assert launch.rdzv_conf_with_defaults("etcd-v3", "") == ""
