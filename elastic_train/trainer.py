@@ -257,7 +257,10 @@ class Trainer:
         self.checkpoints.save(self.state.step, self._stateful(), reason=reason, wait=True)
         self.checkpoints.finish()
         distributed.barrier(self.group)
-        self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
+        if not stop:
+            # A stop on SIGTERM is no end: the agent also sends it to re-form the world
+            # (a node joined) and the launch goes on; its "preempted" event says enough.
+            self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
         return self._finish()
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
