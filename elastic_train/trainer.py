@@ -37,6 +37,7 @@ from elastic_train.events import (
     EVENTS_FILE,
     EventLog,
     EventObserver,
+    Incarnation,
     previous_incarnation,
     read_events,
 )
@@ -289,7 +290,7 @@ class Trainer:
             self._print(f"stop requested (preemption): stopping at step {self.state.step} with a "
                         "checkpoint; rerun the same command to resume")
 
-    def _record_rendezvous(self, previous: Any) -> None:
+    def _record_rendezvous(self, previous: Incarnation | None) -> None:
         """Rank 0: the rendezvous that formed this world, and the resize if it is one.
 
         ``seconds`` is torch's agent's own measurement of the rendezvous when
@@ -330,8 +331,8 @@ class Trainer:
             raise ConfigError(f"the global batch of {self.plan.global_batch} samples at world "
                               f"size {world} exceeds the {len(self.dataset)} samples of the "
                               "dataset: use a smaller --batch-size or more data")
-        if self.plan.lr_scale != 1.0:
-            # The restored optimizer holds the LR of the old world: set this world's.
+        if self.plan.policy == "scale-lr":
+            # The restored optimizer holds the LR of the world that saved it: set this one's.
             step = self.scheduler.last_epoch
             lrs = [base * self.scheduler.lr_lambdas[0](step) for base in self.scheduler.base_lrs]
             for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
@@ -339,6 +340,7 @@ class Trainer:
             self.scheduler._last_lr = lrs  # what get_last_lr() reports
         self.events.emit("batch_plan", policy=self.plan.policy,
                          global_batch=self.plan.global_batch, lr_scale=self.plan.lr_scale,
+                         lr=self.optimizer.param_groups[0]["lr"], step=self.state.step,
                          world_size=world,
                          reference_world_size=self.plan.reference_world_size)
 

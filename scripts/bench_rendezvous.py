@@ -2,10 +2,11 @@
 
     python scripts/bench_rendezvous.py [--repeats 3] [--participants 8 32 64]
 
-1. Launch -> first training step of a 2-node job (two ``torchrun`` agents on this machine,
-   ``--nnodes 2``, one worker each) with ``c10d``, torch's ``etcd`` and ``etcd-v2``, and our
-   ``etcd-v3``, in the same run, each against its own fresh etcd (3.4, v2 enabled for
-   torch's backends, v3 only for ours). Median of ``--repeats`` launches.
+1. Launch -> first training step of a 2-node job (two ``elastic-train run`` agents on this
+   machine, ``--nnodes 2``, one worker each) with ``c10d``, torch's ``etcd`` and
+   ``etcd-v2``, and our ``etcd-v3``, in turns in the same run (so they share the machine's
+   mood), against etcd 3.4 (v2 enabled for torch's backends, v3 only for ours). Also the
+   rendezvous as torch's agent timed it (the ``rendezvous`` event). Medians.
 2. Rendezvous completion for N simulated participants: N rendezvous handlers in threads of
    this process join one round (min = max = N) against one etcd, with our ``etcd-v3`` and
    with torch's ``etcd-v2`` (the same ``DynamicRendezvousHandler`` on the v2 API). Time from
@@ -39,10 +40,10 @@ JOB = ["--preset", "tiny", "--steps", "3", "--batch-size", "16", "--checkpoint-e
 def launch_to_first_step(backend: str, endpoint: str) -> tuple[float, Any]:
     """Seconds from starting two agents to the job's first step; the rendezvous event."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{backend}-")) / "run"
-    rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={uuid.uuid4().hex[:8]}"]
+    rdzv = ["--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
+            "--rdzv-id", uuid.uuid4().hex[:8]]
     started = time.time()
-    nodes = [harness.node(run_dir, f"node-{i}", rdzv, JOB, "torchrun", nnodes="2")
+    nodes = [harness.node(run_dir, f"node-{i}", rdzv, JOB, "elastic-train", nnodes="2")
              for i in range(2)]
     try:
         first = nodes[0].wait_for_event(lambda e: e["event"] == "step", 180)
@@ -57,22 +58,26 @@ def launch_to_first_step(backend: str, endpoint: str) -> tuple[float, Any]:
 
 
 def bench_launch(repeats: int) -> None:
-    print(f"launch -> first step, 2 torchrun agents (--nnodes 2), median of {repeats}:")
+    backends = ("c10d", "etcd", "etcd-v2", "etcd-v3")
+    print(f"launch -> first step, 2 elastic-train run agents (--nnodes 2), {repeats} rounds "
+          "of the backends in turn (medians):")
     servers = {"v2": EtcdServer.start(v2=True), "v3": EtcdServer.start(v2=False)}
+    took: dict[str, list[float]] = {b: [] for b in backends}
+    rendezvous: dict[str, list[float]] = {b: [] for b in backends}
     try:
-        for backend in ("c10d", "etcd", "etcd-v2", "etcd-v3"):
-            seconds, rendezvous = [], []
-            for _ in range(repeats):
+        for _ in range(repeats):
+            for backend in backends:
                 if backend == "c10d":
                     endpoint = f"127.0.0.1:{free_port()}"
                 else:
                     endpoint = servers["v3" if backend == "etcd-v3" else "v2"].endpoint
-                took, event = launch_to_first_step(backend, endpoint)
-                seconds.append(took)
-                rendezvous.append(event.get("seconds"))
-            print(f"  {backend:8} {statistics.median(seconds):5.1f} s   "
-                  f"(runs: {', '.join(f'{s:.1f}' for s in seconds)}; rendezvous as the "
-                  f"handler timed it: {rendezvous})", flush=True)
+                seconds, event = launch_to_first_step(backend, endpoint)
+                took[backend].append(seconds)
+                rendezvous[backend].append(event["seconds"])
+        for backend in backends:
+            print(f"  {backend:8} launch -> first step {statistics.median(took[backend]):5.1f} s"
+                  f"   rendezvous (agent) {statistics.median(rendezvous[backend]):5.2f} s   "
+                  f"(runs: {', '.join(f'{s:.1f}' for s in took[backend])})", flush=True)
     finally:
         for server in servers.values():
             server.stop()

@@ -266,3 +266,33 @@ def test_the_agents_rendezvous_time_reaches_the_next_workers(
     assert [m.name for m in seen][-2:] == ["SimpleElasticAgent._rendezvous.duration.ms",
                                            "SimpleElasticAgent._rendezvous.success"]
     assert json.dumps(timer.last_seconds)
+
+
+# --- the etcd-v3 handler's guard against a split-off world --------------------------------
+
+
+def test_a_node_dropped_from_its_round_asks_to_rejoin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the others took this node for dead and moved on, its agent must restart and
+    rejoin (torch's handler alone would let it train on as a second world)."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    from elastic_train.rendezvous.backend import encode_state
+    from elastic_train.rendezvous.handler import build_handler
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setenv(RENDEZVOUS_SECONDS, "unset")
+    kv = MemoryKV()
+    options = EtcdV3Options.parse("h", {"last_call_timeout": "0.1"})
+    handler = build_handler(kv, options, "job", 1, 2, local_addr="node-a")
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert float(os.environ[RENDEZVOUS_SECONDS]) > 0  # timed for the next workers
+    assert handler.num_nodes_waiting() == 0
+    moved_on = _RendezvousState()
+    moved_on.round = 1  # the others formed round 1 without node-a
+    kv.put("/elastic_train/rendezvous/job/state", encode_state(pickle.dumps(moved_on)))
+    handler._state_holder._last_sync_time = -1  # no cached state
+    assert handler.num_nodes_waiting() == 1
+    handler._stop_heartbeats()
