@@ -26,16 +26,20 @@ import pytest
 START_TIMEOUT = 20.0
 
 
-def etcd_binary() -> str:
-    """The etcd executable, or skip (fail under CI=true) if there is none."""
-    found = shutil.which("etcd")
+def require(tool: str, message: str) -> str:
+    """The path of ``tool``, or skip the test — fail it under CI=true, where all must run."""
+    found = shutil.which(tool)
     if found:
         return found
-    message = ("etcd is not installed: run scripts/install-test-deps.sh (apt: etcd-server) or "
-               "put etcd >= 3.4 on PATH")
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
+
+
+def etcd_binary() -> str:
+    """The etcd executable (see ``require``)."""
+    return require("etcd", "etcd is not installed: run scripts/install-test-deps.sh (apt: "
+                           "etcd-server) or put etcd >= 3.4 on PATH")
 
 
 def free_port() -> int:
@@ -56,9 +60,7 @@ class TlsFiles:
 
     @classmethod
     def create(cls, directory: Path) -> TlsFiles:
-        openssl = shutil.which("openssl")
-        if openssl is None:
-            pytest.skip("openssl is needed to make test certificates")
+        openssl = require("openssl", "openssl is needed to make the test certificates")
         d = directory
         ext = d / "san.cnf"
         ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
