@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -26,16 +27,30 @@ import pytest
 START_TIMEOUT = 20.0
 
 
-def etcd_binary() -> str:
-    """The etcd executable, or skip (fail under CI=true) if there is none."""
-    found = shutil.which("etcd")
+def require(tool: str, message: str) -> str:
+    """The path of ``tool``, or skip the test — fail it under CI=true, where all must run."""
+    found = shutil.which(tool)
     if found:
         return found
-    message = ("etcd is not installed: run scripts/install-test-deps.sh (apt: etcd-server) or "
-               "put etcd >= 3.4 on PATH")
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
+
+
+def etcd_binary() -> str:
+    """The etcd executable (see ``require``)."""
+    return require("etcd", "etcd is not installed: run scripts/install-test-deps.sh (apt: "
+                           "etcd-server) or put etcd >= 3.4 on PATH")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the test process dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() still stops it
 
 
 def free_port() -> int:
@@ -56,9 +71,7 @@ class TlsFiles:
 
     @classmethod
     def create(cls, directory: Path) -> TlsFiles:
-        openssl = shutil.which("openssl")
-        if openssl is None:
-            pytest.skip("openssl is needed to make test certificates")
+        openssl = require("openssl", "openssl is needed to make the test certificates")
         d = directory
         ext = d / "san.cnf"
         ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
@@ -125,7 +138,7 @@ class EtcdServer:
             log = data_dir / "etcd.log"
             with open(log, "wb") as out:
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=_die_with_parent)
             server = cls(proc, data_dir, port, v2, tls, log)
             if server._wait_ready():
                 if auth_password is not None:

@@ -296,3 +296,15 @@ def test_a_node_dropped_from_its_round_asks_to_rejoin(monkeypatch: pytest.Monkey
     handler._state_holder._last_sync_time = -1  # no cached state
     assert handler.num_nodes_waiting() == 1
     handler._stop_heartbeats()
+
+
+def test_a_missing_etcd_skips_but_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import etcd_server
+
+    monkeypatch.setattr(etcd_server.shutil, "which", lambda name: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="etcd is not installed"):
+        etcd_server.etcd_binary()
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="etcd is not installed"):
+        etcd_server.etcd_binary()
