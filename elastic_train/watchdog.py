@@ -87,8 +87,7 @@ class StepWatchdog:
         return out
 
     def diagnose(self) -> dict[str, Any]:
-        """Who is stuck, and where, as far as the heartbeats tell; a stuck rank on this host
-        is killed so that the agent can restart the group without waiting for it."""
+        """Who is stuck, and where, as far as the heartbeats tell (no side effects)."""
         now = time.time()
         peers = self.peers()
         stale = {r: hb for r, hb in peers.items() if now - hb["time"] > 3 * self.interval}
@@ -102,20 +101,12 @@ class StepWatchdog:
                       f"{hb['step']} ({hb['where']})" if hb else
                       f"rank {first} never sent a heartbeat")
         else:
-            first, detail = None, "every rank is alive: a collective or the data may be stuck"
-        killed = None
-        hb = stale.get(first) if first is not None else None
-        if hb and hb.get("host") == socket.gethostname() and hb.get("pid"):
-            # A stopped process ignores the agent's SIGTERM for its whole shutdown timeout
-            # (30 s); on this host we can end it at once.
-            try:
-                os.kill(int(hb["pid"]), signal.SIGKILL)
-                killed = int(hb["pid"])
-                detail += f"; killed it (pid {killed})"
-            except (ProcessLookupError, PermissionError):
-                pass
+            first, hb = None, None
+            detail = "every rank is alive: a collective or the data may be stuck"
         return {
-            "killed_pid": killed,
+            "killed_pid": None,
+            "stuck_host": hb.get("host") if hb else None,
+            "stuck_pid": hb.get("pid") if hb else None,
             "detected_by": self.rank, "step": self.step, "where": self.where,
             "stalled_seconds": round(stalled_for, 3), "stuck_rank": first,
             "suspects": suspects,
@@ -125,11 +116,27 @@ class StepWatchdog:
                         "restarts from the newest checkpoint"),
         }
 
+    @staticmethod
+    def _end_local_peer(finding: dict[str, Any]) -> None:
+        """Kill a stuck rank that runs on this host: a stopped process ignores the agent's
+        SIGTERM for its whole shutdown timeout (30 s), which would delay the restart."""
+        pid = finding.get("stuck_pid")
+        if not pid or finding.get("stuck_host") != socket.gethostname():
+            return
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        finding["killed_pid"] = int(pid)
+        finding["message"] = finding["message"].replace(
+            "; failing this worker", f"; killed it (pid {pid}); failing this worker")
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._beat()
             if time.monotonic() - self._last_progress > self.step_timeout:
                 finding = self.diagnose()
+                self._end_local_peer(finding)
                 log.error("%s", finding["message"])
                 try:
                     self.report(finding)
