@@ -45,6 +45,7 @@ class StepWatchdog:
 
     def start(self) -> StepWatchdog:
         self._last_progress = time.monotonic()
+        self._beat()  # at once: a rank stopped before its first interval is still known
         self._thread.start()
         return self
 
