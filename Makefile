@@ -23,7 +23,7 @@ demo: setup
 ## Everything the tests need, then the whole suite (what CI runs).
 test: setup
 	bash scripts/install-test-deps.sh
-	$(BIN)/ruff check elastic_train tests examples scripts benchmarks
+	$(BIN)/ruff check elastic_train tests examples scripts benchmarks deploy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## Unit tests only (seconds).
@@ -31,7 +31,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check elastic_train tests examples scripts benchmarks
+	$(BIN)/ruff check elastic_train tests examples scripts benchmarks deploy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -85,8 +85,26 @@ def rdzv_conf_with_defaults(backend: str, text: str) -> str:
     return ",".join(f"{key}={value}" for key, value in conf.items())
 
 
+# Launcher options that torchrun also reads from PET_<NAME> (torch.distributed.argparse_util).
+TORCHRUN_OPTIONS = frozenset({
+    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+    "max_restarts", "monitor_interval", "node_rank", "local_addr", "log_dir", "redirects", "tee",
+    "master_addr", "shutdown_timeout",
+})
+
+
+def _pet(dest: str, default: str | None) -> str | None:
+    """The default of a launcher option: ``PET_<DEST>`` if set, as torchrun reads it.
+
+    The Kubeflow training operator passes elasticPolicy to torchrun this way
+    (PET_NNODES, PET_RDZV_BACKEND, ...), so ``elastic-train run`` in a pod sees the same
+    settings torchrun would. An option on the command line still wins.
+    """
+    return os.environ.get(f"PET_{dest.upper()}", default)
+
+
 def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
-    """torchrun-style options understood by ``elastic-train run``."""
+    """torchrun-style options understood by ``elastic-train run``; defaults from ``PET_*``."""
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, add_help=False,
                                 description="Run an elastic training job (torchrun options + "
                                             "job options; see --help-job for the latter).")
@@ -120,6 +138,9 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
                    help="forkserver (default): workers fork from a process that imported torch "
                         "once, so a restart skips the imports; subprocess: a fresh "
                         "'python -m elastic_train.train' each time, as torchrun does")
+    for action in p._actions:
+        if action.dest in TORCHRUN_OPTIONS:
+            action.default = _pet(action.dest, action.default)
     return p
 
 

