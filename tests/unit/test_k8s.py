@@ -345,3 +345,15 @@ def test_the_dockerfile_essentials() -> None:
             for source in sources:
                 assert (REPO / source).exists(), source
                 assert source.rstrip("/") in allowed, f"{source} is excluded by .dockerignore"
+
+
+def test_launcher_options_come_from_pet_variables_unless_given(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NNODES", "2:5")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "9")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd-v3")
+    ns, job_args = launcher_parser().parse_known_args(["--max-restarts", "4", "--steps", "7"])
+    assert (ns.nnodes, ns.max_restarts, ns.rdzv_backend) == ("2:5", 4, "etcd-v3")
+    assert job_args == ["--steps", "7"]
+    monkeypatch.delenv("PET_NNODES")
+    assert launcher_parser().parse_known_args([])[0].nnodes == "1"
