@@ -116,6 +116,8 @@ def test_an_etcd_that_comes_up_during_the_retries_is_used(tmp_path: Path) -> Non
      "or more"),
     ("ssl_cert=/nonexistent.pem,ssl_cert_key=/x.key",
      "--rdzv-conf ssl_cert=/nonexistent.pem: no such file"),
+    ("ca_cert=/nonexistent/ca.pem", "--rdzv-conf ca_cert=/nonexistent/ca.pem: no such file"),
+    ("connect_timeout=-3", "--rdzv-conf connect_timeout=-3 is invalid: it must be positive"),
     ("password=secret", "--rdzv-conf has a password but no user: add user=NAME"),
     ("key_prefix=relative", "--rdzv-conf key_prefix=relative is invalid: use an absolute key "
                             "like /jobs/rendezvous"),
@@ -127,6 +129,21 @@ def test_bad_etcd_v3_options(conf: str, expected: str, tmp_path: Path,
                           str(tmp_path / "run"))
     assert code == 2
     assert line.startswith(expected), line
+
+
+@pytest.mark.parametrize(("endpoint", "expected"), [
+    ("127.0.0.1:23x9", "--rdzv-endpoint 127.0.0.1:23x9 has an invalid port '23x9': write "
+                       "HOST:PORT"),
+    ("10.0.0.1:2379,10.0.0.2:2379", "--rdzv-endpoint 10.0.0.1:2379,10.0.0.2:2379 is invalid: "
+                                    "give one etcd member as HOST:PORT"),
+    ("etcd://h:2379", "protocol 'etcd' is invalid: use http or https"),
+])
+def test_malformed_etcd_endpoint(endpoint: str, expected: str, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code, line = run_line(capsys, "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint,
+                          "--run-dir", str(tmp_path / "run"))
+    assert (code, line) == (2, expected)
+    assert not (tmp_path / "run").exists()  # nothing was started
 
 
 def test_etcd_v3_needs_an_endpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
