@@ -28,11 +28,12 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train import distributed
 from elastic_train.batching import BatchPlan, plan_batch
 from elastic_train.checkpoint.manager import CheckpointManager, Restored
+from elastic_train.checkpoint.stop import SaveFailureStop
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
-from elastic_train.errors import CheckpointStopError, ConfigError
+from elastic_train.errors import ConfigError
 from elastic_train.events import (
     EVENTS_FILE,
     EventLog,
@@ -146,6 +147,8 @@ class Trainer:
                 "run_id": self.env.run_id, "batch_size": cfg.batch_size}
         self.checkpoints = CheckpointManager(store, self.group, self.config.checkpoint,
                                              self.events, meta)
+        self.save_failure = SaveFailureStop(self.checkpoints, self.group, self.events,
+                                            self.env.restart_count)
 
     def _stateful(self) -> dict[str, Any]:
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
@@ -184,7 +187,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         tally[1] = 1.0 if self.stop.requested else 0.0
-        tally[2] = 1.0 if self._save_failure_stops() else 0.0
+        tally[2] = 1.0 if self.save_failure.vote() else 0.0
         if world > 1:
             self.watchdog.phase("all-reduce of the loss")
             dist.all_reduce(tally)
@@ -195,11 +198,6 @@ class Trainer:
             self._record_samples(batch.epoch, batch.offset, mine)
         loss_sum, votes, save_failed = tally.tolist()
         return loss_sum / global_batch, votes > 0, save_failed > 0
-
-    def _save_failure_stops(self) -> bool:
-        """Rank 0: a checkpoint write failed and the policy is to stop."""
-        return (self.config.checkpoint.on_save_failure == "stop"
-                and self.checkpoints.failed is not None)
 
     def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
         if self._samples_file is None:
@@ -230,7 +228,7 @@ class Trainer:
                          world_size=self.group.world_size, total_steps=cfg.steps,
                          backend=self.group.backend, config=self.config.to_dict())
         self._record_rendezvous(previous)
-        self._refuse_restart_after_save_failure(previous)
+        self.save_failure.refuse_restart(previous, Path(self.config.run_dir) / "checkpoints")
         restored = self.checkpoints.restore(self._stateful())
         self._marks["restored"] = time.time()
         self._plan_batch(restored)
@@ -265,8 +263,8 @@ class Trainer:
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
                 self.checkpoints.save(self.state.step, self._stateful())
         self.watchdog.stop()  # the final save may take long: not a stalled step
-        if save_failed or self._agreed_save_failure_stop():
-            self._stop_for_save_failure()
+        if save_failed or self.save_failure.agreed_after_loop():
+            self.save_failure.stop(self.state.step)
         reason = "preemption" if stop else "final"
         self.checkpoints.save(self.state.step, self._stateful(), reason=reason, wait=True)
         self.checkpoints.finish()
@@ -276,60 +274,6 @@ class Trainer:
             # (a node joined) and the launch goes on; its "preempted" event says enough.
             self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
         return self._finish()
-
-    def _agreed_save_failure_stop(self) -> bool:
-        """After the last step: whether rank 0's last periodic write failed under ``stop``
-        (then no final checkpoint is attempted). Collective only under that policy."""
-        if self.config.checkpoint.on_save_failure != "stop":
-            return False
-        self.checkpoints.finish()  # the last periodic persist's outcome
-        failed = self._save_failure_stops() if self.group.rank == 0 else None
-        return bool(distributed.broadcast_json(self.group, failed))
-
-    def _stop_for_save_failure(self) -> None:
-        """Every rank stops here: rank 0's checkpoint write failed and the policy is stop.
-
-        No checkpoint is written (the disk just failed one); the last good one stays.
-        Every rank raises the same one-line error; only rank 0 prints it.
-        """
-        message = None
-        if self.group.rank == 0:
-            self.checkpoints.finish()
-            failure = self.checkpoints.failed
-            assert failure is not None
-            message = save_failure_message(self.state.step, failure.step, failure.root,
-                                           failure.reason, self.checkpoints.last_saved_step)
-            self.events.emit("stopped", reason="checkpoint_failed", step=self.state.step,
-                             failed_step=failure.step, error=failure.reason,
-                             last_good_step=self.checkpoints.last_saved_step,
-                             restart=self.env.restart_count)
-            self.events.close()
-        message = distributed.broadcast_json(self.group, message)
-        raise CheckpointStopError(message)
-
-    def _refuse_restart_after_save_failure(self, previous: Incarnation | None) -> None:
-        """Under ``--on-save-failure stop``, a worker restarted by the agent after that stop
-        does not train on: every rank fails at once with the same line, so the launch ends
-        after the agent's restarts instead of filling the disk again (a new launch of the
-        same command, restart 0, resumes)."""
-        if self.config.checkpoint.on_save_failure != "stop":
-            return
-        message = None
-        if self.group.rank == 0 and self.env.restart_count > 0 and previous is not None \
-                and previous.stopped is not None:
-            stopped = previous.stopped
-            message = ("not restarting: " + save_failure_message(
-                stopped.get("step"), stopped.get("failed_step"),
-                Path(self.config.run_dir) / "checkpoints", stopped.get("error"),
-                stopped.get("last_good_step")))
-            self.events.emit("stopped", reason="checkpoint_failed", step=stopped.get("step"),
-                             failed_step=stopped.get("failed_step"),
-                             error=stopped.get("error"),
-                             last_good_step=stopped.get("last_good_step"),
-                             restart=self.env.restart_count)
-        message = distributed.broadcast_json(self.group, message)
-        if message is not None:
-            raise CheckpointStopError(message)
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
         timeout = self.config.distributed.step_timeout_seconds
@@ -455,16 +399,6 @@ class _NoWatchdog:
     def phase(self, where: str) -> None: ...
 
     def progress(self, step: int) -> None: ...
-
-
-def save_failure_message(step: Any, failed_step: Any, root: Any, reason: Any,
-                         last_good: Any) -> str:
-    """The one line of a job stopped by ``--on-save-failure stop``."""
-    resume = (f"resumes from checkpoint {last_good}, which is intact" if last_good is not None
-              else "starts from scratch: no checkpoint was written")
-    return (f"stopped at step {step}: checkpoint {failed_step} could not be written under "
-            f"{root} ({reason}) and --on-save-failure is stop: free space or fix permissions, "
-            f"then rerun the same command (it {resume})")
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -6,7 +6,7 @@ writes it (storage.py) on a background thread, at most one in flight. A failed w
 (disk full, permissions) is logged at once, counted and recorded as ``checkpoint_failed``;
 the checkpoints already on disk stay. What follows is the job's ``--on-save-failure``
 policy: ``continue`` tries again at the next due step, ``stop`` leaves the failure in
-``failed`` for the trainer, which stops every rank at the next step (trainer.py). The final
+``failed``, and every rank stops at the next step (stop.py, trainer.py). The final
 checkpoint is persisted in the foreground, so a run never ends without it.
 
 Restore is the same on every rank and in the same order: rank 0 removes leftovers of torn
