@@ -34,6 +34,7 @@ from elastic_train.errors import ConfigError
 OptionValue = str | int | float | bool
 
 BATCH_POLICIES = ("constant", "scale-lr")
+SAVE_FAILURE_POLICIES = ("continue", "stop")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class CheckpointConfig:
     every_seconds: float | None = None
     keep: int = 3
     asynchronous: bool = True
+    on_save_failure: str = "continue"
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--async-checkpoint", "checkpoint", "asynchronous",
            "persist checkpoints on a background thread (training waits only for the copy)",
            _bool, "BOOL"),
+    Option("--on-save-failure", "checkpoint", "on_save_failure",
+           "when a checkpoint cannot be written (disk full, permissions): 'continue' "
+           "reports it and tries again at the next checkpoint, 'stop' stops every rank at "
+           "the next step and fails the job; the last good checkpoint stays either way",
+           str, "POLICY"),
     Option("--backend", "distributed", "backend", "auto (gloo on CPU, nccl on CUDA), gloo, nccl"),
     Option("--collective-timeout", "distributed", "timeout_seconds",
            "seconds before a stuck collective fails the worker", float),
@@ -283,6 +290,8 @@ def validate(config: JobConfig) -> JobConfig:
     _check(c.every_seconds is None or c.every_seconds > 0, "--checkpoint-interval",
            c.every_seconds, "a positive number of seconds, or 'off'")
     _check(c.keep >= 1, "--keep-checkpoints", c.keep, "at least 1")
+    _check(c.on_save_failure in SAVE_FAILURE_POLICIES, "--on-save-failure", c.on_save_failure,
+           "'continue' or 'stop'")
     _check(d.backend in ("auto", "gloo", "nccl"), "--backend", d.backend,
            "'auto', 'gloo' or 'nccl'")
     _check(d.timeout_seconds > 0, "--collective-timeout", d.timeout_seconds, "positive")

@@ -29,6 +29,26 @@ class CheckpointError(ElasticTrainError):
     """A checkpoint cannot be written, read or used."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, permissions); the ones on disk stay."""
+
+    def __init__(self, step: int, root: object, reason: str) -> None:
+        self.step = step
+        self.root = root
+        self.reason = reason
+        super().__init__(f"could not write checkpoint {step} under {root} ({reason}): free "
+                         "space or fix permissions; the previous checkpoints are intact")
+
+
+class CheckpointStopError(CheckpointError):
+    """The job stopped: a checkpoint could not be written and ``--on-save-failure stop``.
+
+    Every rank raises it with rank 0's message; only rank 0 prints it (one line).
+    """
+
+    reported_by_rank0 = True
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's files do not match its manifest (torn write, bit rot, edits)."""
 

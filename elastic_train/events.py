@@ -133,6 +133,8 @@ class Incarnation:
     """Its newest step (None: it made none)."""
     last_seen: float | None = None
     """Time of its newest event: its last sign of life."""
+    stopped: dict[str, Any] | None = None
+    """Its ``stopped`` event, if it stopped on purpose (a checkpoint write failed)."""
 
 
 def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
@@ -142,6 +144,7 @@ def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
     None when there is none: a first start, or the previous launch of this run finished.
     """
     last_step: dict[str, Any] | None = None
+    stopped: dict[str, Any] | None = None
     last_seen = None
     for record in read_events_backwards(path):
         kind = record["event"]
@@ -151,10 +154,13 @@ def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
             return None
         if kind == "step" and last_step is None:
             last_step = record
+        if kind == "stopped" and stopped is None:
+            stopped = record
         if kind == "start":
             if record.get("run_id") != run_id:
                 return None
             return Incarnation(record.get("world_size"), int(record.get("restart", 0)),
                                last_step.get("time") if last_step else None,
-                               int(last_step["step"]) if last_step else None, last_seen)
+                               int(last_step["step"]) if last_step else None, last_seen,
+                               stopped)
     return None

@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         if trainer.state.step >= config.train.steps:   # not after a preemption: no time
             linger = config.metrics.linger_seconds
     except ElasticTrainError as exc:
-        print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
+        if env.rank == 0 or not getattr(exc, "reported_by_rank0", False):  # one line per job
+            print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
         _record_for_agent(exc)
         return exc.exit_code
     finally:

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train import distributed
 from elastic_train.batching import BatchPlan, plan_batch
 from elastic_train.checkpoint.manager import CheckpointManager, Restored
+from elastic_train.checkpoint.stop import SaveFailureStop
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
@@ -146,14 +147,17 @@ class Trainer:
                 "run_id": self.env.run_id, "batch_size": cfg.batch_size}
         self.checkpoints = CheckpointManager(store, self.group, self.config.checkpoint,
                                              self.events, meta)
+        self.save_failure = SaveFailureStop(self.checkpoints, self.group, self.events,
+                                            self.env.restart_count)
 
     def _stateful(self) -> dict[str, Any]:
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                 "trainer": self.state, "sampler": self.sampler}
 
     # ---- one step ------------------------------------------------------------------------
-    def _step(self, ddp: DistributedDataParallel) -> tuple[float, bool]:
-        """One optimizer step; returns (global mean loss, whether any rank asked to stop)."""
+    def _step(self, ddp: DistributedDataParallel) -> tuple[float, bool, bool]:
+        """One optimizer step; returns (global mean loss, whether any rank asked to stop,
+        whether rank 0 stops because a checkpoint could not be written)."""
         cfg = self.config.train
         rank, world = self.group.rank, self.group.world_size
         self.watchdog.phase("data")
@@ -161,8 +165,8 @@ class Trainer:
         batch = self.sampler.next_batch(global_batch)
         mine = batch.shard(rank, world)
         torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
-        # [loss sum, stop votes]: one all-reduce carries both.
-        tally = torch.zeros(2, dtype=torch.float64, device=self.group.device)
+        # [loss sum, stop votes, save-failure stop]: one all-reduce carries all three.
+        tally = torch.zeros(3, dtype=torch.float64, device=self.group.device)
         chunks = micro_batches(mine, cfg.micro_batch_size)
         for i, chunk in enumerate(chunks):
             inputs = collate(self.task, [self.dataset[int(j)] for j in chunk])
@@ -183,6 +187,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         tally[1] = 1.0 if self.stop.requested else 0.0
+        tally[2] = 1.0 if self.save_failure.vote() else 0.0
         if world > 1:
             self.watchdog.phase("all-reduce of the loss")
             dist.all_reduce(tally)
@@ -191,8 +196,8 @@ class Trainer:
         self.watchdog.progress(self.state.step)
         if cfg.record_samples:
             self._record_samples(batch.epoch, batch.offset, mine)
-        loss_sum, votes = tally.tolist()
-        return loss_sum / global_batch, votes > 0
+        loss_sum, votes, save_failed = tally.tolist()
+        return loss_sum / global_batch, votes > 0, save_failed > 0
 
     def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
         if self._samples_file is None:
@@ -223,6 +228,7 @@ class Trainer:
                          world_size=self.group.world_size, total_steps=cfg.steps,
                          backend=self.group.backend, config=self.config.to_dict())
         self._record_rendezvous(previous)
+        self.save_failure.refuse_restart(previous, Path(self.config.run_dir) / "checkpoints")
         restored = self.checkpoints.restore(self._stateful())
         self._marks["restored"] = time.time()
         self._plan_batch(restored)
@@ -233,10 +239,11 @@ class Trainer:
         ddp.train()
         self._marks["ddp_ready"] = time.time()
         self.watchdog = self._make_watchdog().start()
-        first_step, stop = True, False   # a resume at the last step runs no step at all
+        # A resume at the last step runs no step at all.
+        first_step, stop, save_failed = True, False, False
         while self.state.step < cfg.steps:
             began = time.monotonic()
-            loss, stop = self._step(ddp)
+            loss, stop, save_failed = self._step(ddp)
             step_seconds = time.monotonic() - began
             if first_step:  # the start-up timeline, for recovery measurements
                 self.events.emit("startup", restart=self.env.restart_count,
@@ -248,12 +255,16 @@ class Trainer:
                              world_size=self.group.world_size, samples=self.state.samples_seen,
                              global_batch=self.plan.global_batch,
                              seconds=round(step_seconds, 6), restart=self.env.restart_count)
+            if save_failed:
+                break
             if stop:
                 self._preempted()
                 break
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
                 self.checkpoints.save(self.state.step, self._stateful())
         self.watchdog.stop()  # the final save may take long: not a stalled step
+        if save_failed or self.save_failure.agreed_after_loop():
+            self.save_failure.stop(self.state.step)
         reason = "preemption" if stop else "final"
         self.checkpoints.save(self.state.step, self._stateful(), reason=reason, wait=True)
         self.checkpoints.finish()

@@ -98,6 +98,7 @@ class EtcdServer:
     def __init__(self, proc: subprocess.Popen[bytes], data_dir: Path, port: int,
                  v2: bool, tls: TlsFiles | None, log: Path) -> None:
         self.proc = proc
+        self.argv = list(proc.args)  # type: ignore[arg-type]
         self.data_dir = data_dir
         self.port = port
         self.v2 = v2
@@ -178,6 +179,25 @@ class EtcdServer:
         self._request("/v3/auth/user/grant", {"user": "root", "role": "root"})
         self._request("/v3/auth/enable", {})
         self.user, self.password = "root", password
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash): its data dir stays for ``restart``."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Start the server again on the same port and data dir; wait until it is healthy.
+
+        Call it from a thread that outlives the server: PR_SET_PDEATHSIG signals the child
+        when the *thread* that started it ends.
+        """
+        assert self.proc.poll() is not None, "the server is still running"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        if not self._wait_ready():
+            raise RuntimeError(f"etcd did not restart:\n"
+                               f"{self.log.read_text(errors='replace')[-2000:]}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

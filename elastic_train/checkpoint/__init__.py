@@ -1,4 +1,5 @@
-"""Checkpoints: on-disk format and atomic writes (storage), policy and restore (manager)."""
+"""Checkpoints: on-disk format and atomic writes (storage), policy and restore (manager),
+the ``--on-save-failure stop`` vote (stop)."""
 
 from elastic_train.checkpoint.manager import CheckpointManager, Restored, snapshot_state
 from elastic_train.checkpoint.storage import CheckpointInfo, CheckpointStore, model_digest

@@ -2,9 +2,12 @@
 
 Save is split in two stages: a *snapshot* copies every state dict into reused host buffers
 (the only part training waits for), and a *persist* serialises, checksums and atomically
-writes it (storage.py) on a background thread, at most one in flight. A failed background
-write is logged, counted and recorded as an event; the checkpoints already on disk stay.
-The final checkpoint is persisted in the foreground, so a run never ends without it.
+writes it (storage.py) on a background thread, at most one in flight. A failed write
+(disk full, permissions) is logged at once, counted and recorded as ``checkpoint_failed``;
+the checkpoints already on disk stay. What follows is the job's ``--on-save-failure``
+policy: ``continue`` tries again at the next due step, ``stop`` leaves the failure in
+``failed``, and every rank stops at the next step (stop.py, trainer.py). The final
+checkpoint is persisted in the foreground, so a run never ends without it.
 
 Restore is the same on every rank and in the same order: rank 0 removes leftovers of torn
 saves, finds the newest checkpoint that verifies (skipping corrupt ones with a warning and
@@ -33,7 +36,12 @@ from elastic_train.checkpoint.storage import (
 )
 from elastic_train.config import CheckpointConfig
 from elastic_train.distributed import Group
-from elastic_train.errors import CheckpointError, CheckpointMismatchError, ElasticTrainError
+from elastic_train.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ElasticTrainError,
+)
 from elastic_train.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -66,6 +74,8 @@ class CheckpointManager:
         self.meta = dict(meta or {})
         self.saved = 0
         self.failures = 0
+        self.failed: CheckpointWriteError | None = None
+        """The newest failed periodic write (rank 0); the ``stop`` policy acts on it."""
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
         self._buffers = SnapshotBuffers()
@@ -180,7 +190,12 @@ class CheckpointManager:
 
         def persist() -> None:
             began = time.monotonic()
-            info = self.persist(step, snapshot)
+            try:
+                info = self.persist(step, snapshot)
+            except CheckpointWriteError as exc:
+                if not wait:  # the final one fails the run: its caller reports it
+                    self._failed(exc)
+                raise
             self.last_saved_step = step
             self.saved += 1
             self.events.emit("checkpoint_saved", step=step, path=str(info.path), reason=reason,
@@ -189,10 +204,26 @@ class CheckpointManager:
                              persist_seconds=round(time.monotonic() - began, 6),
                              waited_seconds=round(waited, 6))
 
-        if wait or not self.policy.asynchronous:
+        if wait:
             persist()
+        elif not self.policy.asynchronous:
+            try:
+                persist()
+            except CheckpointWriteError:
+                pass  # reported by _failed, handled by the policy like a background failure
         else:
             self._persister.submit(step, persist)
+
+    def _failed(self, exc: CheckpointWriteError) -> None:
+        """Report a failed periodic write at once (on the thread that wrote it)."""
+        self.failures += 1
+        self.failed = exc
+        if self.policy.on_save_failure == "stop":
+            then = "every rank stops at the next step (--on-save-failure stop)"
+        else:
+            then = ("training goes on and the next checkpoint is tried when due "
+                    "(--on-save-failure continue)")
+        log.warning("checkpoint %d was not written: %s; %s", exc.step, exc, then)
 
     def _finish_pending(self, report_wait: bool = True) -> float:
         """Wait for the persist in flight, report a failure; return the seconds waited."""
@@ -206,7 +237,8 @@ class CheckpointManager:
                         waited, result.step if result else "?")
             self.events.emit("checkpoint_waited", seconds=round(waited, 6),
                              step=result.step if result else None)
-        if result is not None and result.error is not None:
+        if result is not None and result.error is not None and \
+                not isinstance(result.error, CheckpointWriteError):  # those were reported
             self.failures += 1
             log.error("checkpoint %d was not written: %s", result.step, result.error)
         return waited
@@ -217,7 +249,7 @@ class CheckpointManager:
             self._finish_pending(report_wait=False)
 
     def persist(self, step: int, snapshot: Mapping[str, Any]) -> CheckpointInfo:
-        """Write a snapshot atomically, then apply retention (raises CheckpointError)."""
+        """Write a snapshot atomically, then apply retention (raises CheckpointWriteError)."""
         model_state = snapshot["model"]
         meta = {
             **self.meta,
@@ -228,10 +260,9 @@ class CheckpointManager:
         try:
             info = self.store.write(step, snapshot, meta)
         except OSError as exc:
-            self.events.emit("checkpoint_failed", step=step, error=str(exc))
-            raise CheckpointError(
-                f"could not write checkpoint {step} under {self.store.root} ({exc.strerror or exc}"
-                "): free space or fix permissions; the previous checkpoints are intact") from exc
+            self.events.emit("checkpoint_failed", step=step, error=str(exc),
+                             policy=self.policy.on_save_failure)
+            raise CheckpointWriteError(step, self.store.root, exc.strerror or str(exc)) from exc
         for path in self.store.apply_retention(self.policy.keep, newest=step):
             self.events.emit("checkpoint_deleted", path=str(path), reason="retention")
         return info

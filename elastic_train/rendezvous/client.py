@@ -39,6 +39,27 @@ class KeyValue:
     create_revision: int
 
 
+class EtcdUnreachableError(RendezvousConnectionError):
+    """No answer from etcd at all (refused, reset, timed out): worth retrying, unlike a
+    refusal by etcd itself (credentials, TLS, a missing API).
+
+    ``waited`` is how long it was retried (None: not yet), and goes into the message.
+    """
+
+    def __init__(self, endpoint: str, detail: str, waited: float | None = None) -> None:
+        self.endpoint = endpoint
+        self.detail = detail
+        self.waited = waited
+        if waited is None:
+            message = (f"cannot reach etcd at {endpoint} ({detail}): check that etcd runs "
+                       "there and --rdzv-endpoint")
+        else:
+            message = (f"cannot reach etcd at {endpoint} for {waited:g} s ({detail}): check "
+                       "that etcd runs there and --rdzv-endpoint, or wait longer with "
+                       "--rdzv-conf connect_timeout=SECONDS")
+        super().__init__(message)
+
+
 class LeaseNotFound(Exception):
     """A write named a lease that expired or was revoked; grant a new one and retry."""
 
@@ -240,11 +261,11 @@ class EtcdKV:
 
         if isinstance(exc, (exceptions.ConnectionFailedError,
                             exceptions.ConnectionTimeoutError)):
-            hint = "check that etcd runs there and --rdzv-endpoint"
             if "SSL" in reason or "certificate" in reason:
-                hint = "check the TLS options ca_cert, ssl_cert, ssl_cert_key in --rdzv-conf"
-            return RendezvousConnectionError(
-                f"cannot reach etcd at {self.endpoint} ({operation}: {reason}): {hint}")
+                return RendezvousConnectionError(
+                    f"cannot reach etcd at {self.endpoint} ({operation}: {reason}): check the "
+                    "TLS options ca_cert, ssl_cert, ssl_cert_key in --rdzv-conf")
+            return EtcdUnreachableError(self.endpoint, f"{operation}: {reason}")
         if any(word in reason for word in ("user", "password", "auth", "permission")):
             return RendezvousConnectionError(
                 f"etcd at {self.endpoint} refused {operation} ({reason}): check user and "

@@ -9,7 +9,10 @@ torch's, with two additions (``EtcdV3RendezvousHandler``):
   waiting node, so its agent restarts its workers and rejoins instead of training on as a
   second, split-off world;
 - it times each rendezvous and hands the duration to the workers the agent spawns next
-  (``elastic-train run`` replaces it with the agent's own, slightly longer, measurement).
+  (``elastic-train run`` replaces it with the agent's own, slightly longer, measurement);
+- it rides out an etcd outage (outage.py): training goes on while etcd is down, a
+  rendezvous retries an unreachable etcd for ``connect_timeout``, and nobody is declared
+  dead for heartbeats that etcd could not take.
 """
 
 from __future__ import annotations
@@ -25,33 +28,66 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousSettings,
     RendezvousTimeout,
+    _BackendRendezvousStateHolder,
 )
 
 from elastic_train.env import RENDEZVOUS_SECONDS, set_for_workers
 from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend
-from elastic_train.rendezvous.client import KV, EtcdKV
+from elastic_train.rendezvous.client import KV, EtcdKV, EtcdUnreachableError
 from elastic_train.rendezvous.lease import SharedLease
 from elastic_train.rendezvous.options import EtcdV3Options
+from elastic_train.rendezvous.outage import Outage, retry_unreachable
 from elastic_train.rendezvous.store import EtcdStore
 
 log = logging.getLogger(__name__)
 
 
+class _OutageAwareStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, telling ``outage`` whether etcd answers, and judging no node
+    dead right after an outage (see outage.py)."""
+
+    def __init__(self, backend: RendezvousBackend, settings: RendezvousSettings,
+                 outage: Outage) -> None:
+        super().__init__(backend, settings)
+        self._outage = outage
+
+    def sync(self) -> bool | None:
+        try:
+            return super().sync()
+        except EtcdUnreachableError as exc:
+            self._outage.failed(exc)
+            raise
+
+    def _sanitize(self) -> None:  # runs after every successful read or write of the state
+        self._outage.reached()
+        if self._outage.in_grace:
+            self._dead_nodes = []
+            return
+        super()._sanitize()
+
+
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous, with split-world detection and timing (module doc)."""
+    """torch's dynamic rendezvous, with split-world detection, timing and outage handling
+    (module doc)."""
 
     _joined_round: int | None = None
+    _connect_timeout: float = 30.0
 
     def next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
-        info = super().next_rendezvous()
+        info = retry_unreachable(super().next_rendezvous, self._connect_timeout)
         self._joined_round = self._state_holder.state.round
         set_for_workers(RENDEZVOUS_SECONDS, f"{time.monotonic() - started:.3f}")
         return info
 
     def num_nodes_waiting(self) -> int:
-        waiting = super().num_nodes_waiting()
+        try:
+            waiting = super().num_nodes_waiting()
+        except EtcdUnreachableError:
+            return 0  # nobody can join while etcd is down: train on (logged by the outage)
         state = self._state_holder.state
         if self._joined_round is not None and not state.closed and (
                 state.round != self._joined_round or self._this_node not in state.participants):
@@ -80,10 +116,17 @@ def build_handler(kv: KV, options: EtcdV3Options, run_id: str, min_nodes: int,
         last_call=timedelta(seconds=options.last_call_timeout),
         close=timedelta(seconds=options.close_timeout),
         heartbeat=timedelta(seconds=options.heartbeat_timeout))
-    return EtcdV3RendezvousHandler.from_backend(
-        run_id, store, backend, min_nodes, max_nodes, local_addr, timeout,
-        keep_alive_interval=options.keep_alive_interval,  # type: ignore[arg-type]
+    # As torch's from_backend, with our state holder.
+    settings = RendezvousSettings(
+        run_id, min_nodes, max_nodes, timeout,
+        keep_alive_interval=timedelta(seconds=options.keep_alive_interval),
         keep_alive_max_attempt=options.keep_alive_max_attempt)
+    dead_after = options.keep_alive_interval * options.keep_alive_max_attempt
+    holder = _OutageAwareStateHolder(backend, settings, Outage(kv.endpoint, dead_after))
+    node = EtcdV3RendezvousHandler._node_desc_generator.generate(local_addr)
+    handler = EtcdV3RendezvousHandler(node, settings, backend.name, store, holder)
+    handler._connect_timeout = options.connect_timeout
+    return handler
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

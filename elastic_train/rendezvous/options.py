@@ -35,6 +35,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                                "dead (at least 2 + 3 s / keep_alive_interval)"),
     "read_timeout": (60.0, "seconds a store read waits for another agent's key"),
     "request_timeout": (10.0, "seconds one request to etcd may take"),
+    "connect_timeout": (30.0, "seconds to keep retrying an etcd that does not answer, at "
+                        "start and when a rendezvous is due, before the agent fails"),
     "state_ttl": (7200, "seconds the keys outlive their last write (0: forever)"),
 }
 
@@ -127,6 +129,7 @@ class EtcdV3Options:
     keep_alive_max_attempt: int = SETTINGS["keep_alive_max_attempt"][0]
     read_timeout: float = SETTINGS["read_timeout"][0]
     request_timeout: float = SETTINGS["request_timeout"][0]
+    connect_timeout: float = SETTINGS["connect_timeout"][0]
     state_ttl: int = SETTINGS["state_ttl"][0]
 
     @classmethod
@@ -179,5 +182,6 @@ class EtcdV3Options:
             keep_alive_max_attempt=attempts,
             read_timeout=_number(text, "read_timeout", float),
             request_timeout=_number(text, "request_timeout", float),
+            connect_timeout=_number(text, "connect_timeout", float),
             state_ttl=_number(text, "state_ttl", int),
         )

@@ -4,7 +4,8 @@ torch's ``etcd`` and ``etcd-v2`` backends talk to etcd's v2 API through ``python
 an etcd that does not serve v2 (3.6 removed it; 3.4 and 3.5 need ``--enable-v2``) makes
 them fail with ``etcd.EtcdException: Bad response : 404 page not found``. Here the same
 server gets a sentence that says so and names the backend that works: ``etcd-v3``.
-``etcd-v3`` is checked with its own client: options, reachability, TLS and credentials.
+``etcd-v3`` is checked with its own client: options, reachability (retried for
+``connect_timeout`` seconds while etcd does not answer), TLS and credentials.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from elastic_train.errors import RendezvousUnavailableError
 from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
+from elastic_train.rendezvous.outage import retry_unreachable
 
 V2_BACKENDS = ("etcd", "etcd-v2")
 
@@ -85,8 +87,14 @@ def check_v3(endpoint: str, config: Mapping[str, Any]) -> None:
 
     options = EtcdV3Options.parse(endpoint, config)
     kv = connect(options)
-    try:
+
+    def check() -> None:
         kv.version()
         kv.count_prefix(options.key_prefix + "/")  # a v3 call: API, credentials, permissions
+
+    try:
+        # An etcd that does not answer yet (starting: also its gateway's "transport is
+        # closing") gets connect_timeout.
+        retry_unreachable(check, options.connect_timeout)
     except RendezvousConnectionError as exc:
         raise RendezvousUnavailableError(str(exc)) from None

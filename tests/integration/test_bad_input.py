@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +47,9 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
      "pass --task-opt corpus=PATH"),
     (["--task", "no_such_module:make"], 2, "--task 'no_such_module:make' cannot be imported"),
     (["--task-opt", "n_layerz=3"], 2, "unknown task option 'n_layerz'"),
+    (["--on-save-failure", "halt"], 2, "--on-save-failure halt is invalid: it must be "
+     "'continue' or 'stop'"),
+    (["--metrics-port", "70000"], 2, "--metrics-port 70000 is invalid: it must be a TCP port"),
 ])
 def test_bad_job_option_fails_fast_with_one_line(args: list[str], code: int, expected: str,
                                                  tmp_path: Path) -> None:
@@ -70,6 +75,22 @@ def test_unwritable_run_dir(tmp_path: Path) -> None:
     line = one_error_line(result)
     assert f"run directory {blocker / 'run'} is not writable" in line
     assert "choose another --run-dir" in line
+
+
+def test_metrics_port_in_use_fails_fast_with_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = elastic_train("run", "--run-dir", str(tmp_path / "run"), *TINY,
+                               "--metrics-address", "127.0.0.1", "--metrics-port", str(port - 1),
+                               cwd=tmp_path)
+    assert result.returncode == 2
+    assert one_error_line(result) == (
+        f"elastic-train: error: metrics port 127.0.0.1:{port} is in use (Address already in "
+        "use): pass --metrics-port with a free base port (each worker serves PORT + its local "
+        "rank), or --metrics-port 0 to run without metrics")
+    assert not list((tmp_path / "run").rglob("events.jsonl"))  # no worker started
 
 
 def test_worker_rejects_bad_option_under_torchrun(tmp_path: Path) -> None:
@@ -157,3 +178,76 @@ def test_all_checkpoints_corrupt_stops_instead_of_starting_over(finished_run: Pa
     assert "none of the 3 checkpoints under" in job.output()
     assert "nothing was deleted" in job.output()
     assert tree_digest(run_dir / "checkpoints") == before
+
+
+def test_missing_and_edited_manifests_are_skipped_and_set_aside(finished_run: Path,
+                                                                tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    ckpts = run_dir / "checkpoints"
+    final_digest = harness.final_digest(run_dir)
+    edited = ckpts / "step-00000030" / "manifest.json"
+    manifest = json.loads(edited.read_text())
+    manifest["world_size"] = 1  # a hand edit; its checksum no longer matches
+    edited.write_text(json.dumps(manifest))
+    (ckpts / "step-00000020" / "manifest.json").unlink()
+    verify = elastic_train("checkpoints", "verify", str(run_dir), cwd=tmp_path)
+    assert verify.returncode == 1
+    assert f"{ckpts}/step-00000030: CORRUPT: manifest.json was edited (its checksum does not " \
+           "match)" in verify.stdout.splitlines()
+    assert f"{ckpts}/step-00000020: CORRUPT: manifest.json is missing" in \
+        verify.stdout.splitlines()
+
+    job = harness.torchrun(run_dir, [*TINY, "--steps", "30", "--checkpoint-every", "10"],
+                           max_restarts=0)
+    assert job.wait(180) == 0, job.report()
+    out = job.output()
+    assert f"skipping corrupt checkpoint {ckpts}/step-00000030: manifest.json was edited " \
+           "(its checksum does not match)" in out
+    assert f"skipping corrupt checkpoint {ckpts}/step-00000020: manifest.json is missing" in out
+    events = job.events()
+    assert [e["step"] for e in events if e["event"] == "checkpoint_loaded"] == [10]
+    assert harness.digest_at(run_dir, 30) == final_digest
+    assert len(list(ckpts.glob("step-00000030.corrupt-*"))) == 1   # kept, out of the way
+    assert len(list(ckpts.glob("step-00000020.corrupt-*"))) == 1
+
+
+def _make_marker(path: str) -> None:
+    Path(path).write_text("code ran")
+
+
+class Exploit:
+    """Unpickling this runs ``_make_marker``: what a planted checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return (_make_marker, (self.marker,))
+
+
+def test_a_planted_pickle_is_refused_and_never_runs(finished_run: Path, tmp_path: Path) -> None:
+    """A checkpoint with a valid manifest whose payload would run code when unpickled."""
+    import torch
+
+    from elastic_train.checkpoint.storage import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    store = CheckpointStore(run_dir / "checkpoints")
+    (good,) = [i for i in store.list() if i.step == 30]
+    marker = tmp_path / "marker"
+    payload = {**store.load(good), "extra": Exploit(marker)}
+    meta = {k: v for k, v in good.manifest.items()
+            if k in ("world_size", "model_digest", "model_shapes", "task", "task_options")}
+    store.write(40, payload, meta)
+    before = tree_digest(run_dir / "checkpoints")
+    job = harness.torchrun(run_dir, [*TINY, "--steps", "50"], max_restarts=0)
+    assert job.wait(180) != 0
+    assert (f"elastic_train: error: checkpoint {store.root}/step-00000040 holds a pickled "
+            "tests.integration.test_bad_input._make_marker that safe loading refuses to run; "
+            "it was not loaded — delete it if you did not write it") in job.output()
+    assert not marker.exists()                                   # the code never ran
+    assert tree_digest(run_dir / "checkpoints") == before        # nothing deleted or moved
+    torch.load(store.root / "step-00000040" / "state.pt", weights_only=False)
+    assert marker.read_text() == "code ran"                      # it really was an exploit

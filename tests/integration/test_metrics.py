@@ -1,12 +1,22 @@
 """Every worker of a real 2-worker torchrun job serves /metrics with exactly the counts the
 job produced: its steps, its share of the samples, rank 0's checkpoints, and the values of
-the event log's last records."""
+the event log's last records. A worker binds only the --metrics-address it is given, and
+exposes only the documented metrics and labels."""
 
 from __future__ import annotations
 
 import functools
+import ipaddress
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -106,3 +116,99 @@ def test_each_worker_serves_the_exact_counts(tmp_path: Path) -> None:
         else:
             assert saves == 0
             assert value("elastic_train_last_checkpoint_step") is None
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN that process ``pid`` holds, from
+    /proc (the kernel's own table: what is bound, not what the program meant to bind)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # The kernel prints each 32-bit word of the address in host (little-endian) order.
+            words = struct.unpack(f"<{len(raw) // 4}I", raw)
+            packed = struct.pack(f">{len(words)}I", *words)
+            found.add((str(ipaddress.ip_address(packed)), int(port, 16)))
+    return found
+
+
+def this_machines_other_address() -> str | None:
+    """An address of this machine that is not loopback (None if it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: picks the route's source
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def documented_metrics() -> set[str]:
+    """Every metric name in the README's table of a worker's series."""
+    text = (harness.REPO / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `elastic_train_")]
+    return {name for row in rows for name in re.findall(r"`(elastic_train_[a-z_]+)", row)}
+
+
+def test_metrics_bind_only_the_given_address_and_expose_only_the_documented(
+        tmp_path: Path) -> None:
+    """A worker started with --metrics-address 127.0.0.1 listens on loopback alone; its
+    endpoint serves the README's metrics and labels, and none of the job's paths or the
+    environment's secrets."""
+    run_dir = tmp_path / "run-dir-not-exposed"
+    port = harness.free_ports(1)
+    secret = "s3cret-not-exposed"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "elastic_train.train", "--run-dir", str(run_dir),
+         "--task", "tests.integration.paced_task:make_task", "--preset", "tiny",
+         "--task-opt", "pace=0.05", "--steps", "2000", "--batch-size", "8",
+         "--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
+        env=harness.job_env({"ETCD_PASSWORD": secret}), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        samples: harness.Samples = {}
+        while time.monotonic() < deadline and not any(
+                name == "elastic_train_steps_total" and value > 0
+                for (name, _), value in samples.items()):
+            assert worker.poll() is None, worker.stderr.read().decode()[-3000:]
+            try:
+                samples = harness.scrape(f"http://127.0.0.1:{port}/metrics", timeout=2)
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.05)
+        assert samples, "the worker never served /metrics"
+        listening = listening_sockets(worker.pid)
+        other = this_machines_other_address()
+        if other is not None:
+            with socket.socket() as probe:
+                probe.settimeout(5)
+                assert probe.connect_ex((other, port)) != 0, f"metrics reachable on {other}"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+        worker.stderr.close()
+    assert [a for a in listening if a[1] == port] == [("127.0.0.1", port)]
+    assert not [a for a in listening if a[0] in ("0.0.0.0", "::")], listening
+    documented = documented_metrics()
+    for name, labels in samples:
+        stems = {name, *(name.removesuffix(s) for s in ("_bucket", "_sum", "_count",
+                                                         "_created", "_total"))}
+        assert name.startswith("process_") or stems & documented or \
+            {f"{stem}_total" for stem in stems} & documented, name
+        assert {key for key, _ in labels} <= {"run_id", "rank", "node", "stage", "le",
+                                              "version", "torch_version", "python_version"}
+    for private in (str(tmp_path), secret, "pace"):
+        assert private.encode() not in text

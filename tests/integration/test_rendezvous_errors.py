@@ -7,6 +7,8 @@ this process (its pre-flight fails before torch's agent starts).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,7 +52,7 @@ def test_the_v2_check_passes_where_v2_is_served(etcd_v2: EtcdServer) -> None:
     check_rendezvous("etcd-v3", etcd_v2.endpoint, {})  # 3.4 serves v3 either way
 
 
-@pytest.mark.parametrize("backend", ["etcd", "etcd-v2", "etcd-v3"])
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_no_etcd_there(backend: str, tmp_path: Path,
                        capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()
@@ -60,6 +62,47 @@ def test_no_etcd_there(backend: str, tmp_path: Path,
     assert line.startswith(f"cannot reach etcd at http://127.0.0.1:{port} (")
     assert "Connection refused" in line
     assert line.endswith("): check that etcd runs there and --rdzv-endpoint")
+
+
+def test_no_etcd_there_for_etcd_v3_is_retried_for_connect_timeout(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """etcd-v3 retries an etcd that does not answer (it may be starting), for a bounded
+    time, then fails with one line naming the endpoint, how long, and both fixes."""
+    port = free_port()
+    began = time.monotonic()
+    code, line = run_line(capsys, "--rdzv-backend", "etcd-v3", "--rdzv-endpoint",
+                          f"127.0.0.1:{port}", "--rdzv-conf", "connect_timeout=2", "--run-dir",
+                          str(tmp_path / "run"))
+    elapsed = time.monotonic() - began
+    assert code == 1
+    assert line == (f"cannot reach etcd at http://127.0.0.1:{port} for 2 s (reading its "
+                    "version: [Errno 111] Connection refused): check that etcd runs there and "
+                    "--rdzv-endpoint, or wait longer with --rdzv-conf connect_timeout=SECONDS")
+    assert 2 <= elapsed < 10, elapsed
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_an_etcd_that_comes_up_during_the_retries_is_used(tmp_path: Path) -> None:
+    """The pre-flight waits for an etcd that starts a moment after the job."""
+    server = EtcdServer.start()
+    server.kill()
+    outcome: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            check_rendezvous("etcd-v3", server.endpoint, {"connect_timeout": "30"})
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    checking = threading.Thread(target=check)
+    checking.start()  # etcd is down: it retries
+    try:
+        server.restart()  # in this thread: the server dies with the thread that started it
+        checking.join(timeout=60)
+    finally:
+        server.stop()
+    assert outcome == [None]
 
 
 @pytest.mark.parametrize(("conf", "expected"), [
@@ -73,6 +116,8 @@ def test_no_etcd_there(backend: str, tmp_path: Path,
      "or more"),
     ("ssl_cert=/nonexistent.pem,ssl_cert_key=/x.key",
      "--rdzv-conf ssl_cert=/nonexistent.pem: no such file"),
+    ("ca_cert=/nonexistent/ca.pem", "--rdzv-conf ca_cert=/nonexistent/ca.pem: no such file"),
+    ("connect_timeout=-3", "--rdzv-conf connect_timeout=-3 is invalid: it must be positive"),
     ("password=secret", "--rdzv-conf has a password but no user: add user=NAME"),
     ("key_prefix=relative", "--rdzv-conf key_prefix=relative is invalid: use an absolute key "
                             "like /jobs/rendezvous"),
@@ -84,6 +129,21 @@ def test_bad_etcd_v3_options(conf: str, expected: str, tmp_path: Path,
                           str(tmp_path / "run"))
     assert code == 2
     assert line.startswith(expected), line
+
+
+@pytest.mark.parametrize(("endpoint", "expected"), [
+    ("127.0.0.1:23x9", "--rdzv-endpoint 127.0.0.1:23x9 has an invalid port '23x9': write "
+                       "HOST:PORT"),
+    ("10.0.0.1:2379,10.0.0.2:2379", "--rdzv-endpoint 10.0.0.1:2379,10.0.0.2:2379 is invalid: "
+                                    "give one etcd member as HOST:PORT"),
+    ("etcd://h:2379", "protocol 'etcd' is invalid: use http or https"),
+])
+def test_malformed_etcd_endpoint(endpoint: str, expected: str, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code, line = run_line(capsys, "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint,
+                          "--run-dir", str(tmp_path / "run"))
+    assert (code, line) == (2, expected)
+    assert not (tmp_path / "run").exists()  # nothing was started
 
 
 def test_etcd_v3_needs_an_endpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

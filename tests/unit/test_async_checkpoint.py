@@ -124,3 +124,27 @@ def test_snapshot_buffers_are_reused() -> None:
     assert second["model"]["weight"].data_ptr() != model.weight.data_ptr()
     assert torch.equal(second["optimizer"]["state"][0]["exp_avg"],
                        optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_failed_periodic_write_is_reported_at_once_under_either_mode(
+        tmp_path: Path, asynchronous: bool, caplog: pytest.LogCaptureFixture) -> None:
+    store = GatedStore(tmp_path / "checkpoints")
+    policy = CheckpointConfig(every_steps=1, keep=5, asynchronous=asynchronous,
+                              on_save_failure="stop")
+    manager = CheckpointManager(store, GROUP, policy, EventLog(tmp_path / "events.jsonl"))
+    model = torch.nn.Linear(4, 4)
+    manager.save(1, {"model": model})
+    manager.finish()
+    store.fail_with = OSError(13, "Permission denied")
+    manager.save(2, {"model": model})        # a periodic write never raises: the policy acts
+    manager.finish()
+    failed = manager.failed
+    assert failed is not None and (failed.step, failed.reason) == (2, "Permission denied")
+    assert manager.last_saved_step == 1 and manager.failures == 1
+    (event,) = events(tmp_path / "events.jsonl", "checkpoint_failed")
+    assert (event["step"], event["policy"]) == (2, "stop")
+    assert (f"checkpoint 2 was not written: could not write checkpoint 2 under {store.root} "
+            "(Permission denied): free space or fix permissions; the previous checkpoints are "
+            "intact; every rank stops at the next step (--on-save-failure stop)") in caplog.text
+    assert [i.step for i in store.list()] == [1]

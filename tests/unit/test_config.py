@@ -75,6 +75,7 @@ VALID: dict[str, tuple[str, Any]] = {
     "--checkpoint-interval": ("90.5", 90.5),
     "--keep-checkpoints": ("7", 7),
     "--async-checkpoint": ("false", False),
+    "--on-save-failure": ("stop", "stop"),
     "--backend": ("gloo", "gloo"),
     "--collective-timeout": ("30", 30.0),
     "--preemption-budget": ("12.5", 12.5),
@@ -340,6 +341,8 @@ def test_wrong_type_of_run_dir_in_the_file(tmp_path: Path, text: str) -> None:
     (["--batch-policy", "grow"],
      "--batch-policy grow is invalid: it must be 'constant' or 'scale-lr'"),
     (["--backend", "mpi"], "--backend mpi is invalid: it must be 'auto', 'gloo' or 'nccl'"),
+    (["--on-save-failure", "halt"],
+     "--on-save-failure halt is invalid: it must be 'continue' or 'stop'"),
     (["--task-opt", "novalue"], "--task-opt 'novalue' is invalid: write it as KEY=VALUE"),
     (["--task-opt", "=v"], "--task-opt '=v' is invalid: write it as KEY=VALUE"),
     (["--steps", "ten"], "--steps 'ten' is invalid: expected int"),
@@ -385,3 +388,16 @@ def test_unparsable_config_files(tmp_path: Path) -> None:
     message = _error(["--config", str(path)])
     assert message.startswith(f"config file {path} cannot be parsed (")
     assert message.endswith("): fix its syntax")
+
+
+def test_the_save_failure_policy_from_a_file_is_checked_like_the_option(tmp_path: Path) -> None:
+    good = _write(tmp_path / "good.toml", '[checkpoint]\non_save_failure = "stop"\n')
+    assert parse_job_args(["--config", str(good)]).checkpoint.on_save_failure == "stop"
+    assert parse_job_args(["--config", str(good), "--on-save-failure", "continue"]
+                          ).checkpoint.on_save_failure == "continue"
+    bad = _write(tmp_path / "bad.toml", '[checkpoint]\non_save_failure = "pause"\n')
+    assert _error(["--config", str(bad)]) == \
+        "--on-save-failure pause is invalid: it must be 'continue' or 'stop'"
+    typed = _write(tmp_path / "typed.toml", "[checkpoint]\non_save_failure = 1\n")
+    assert _error(["--config", str(typed)]) == \
+        "[checkpoint] on_save_failure = 1 is invalid: expected str"

@@ -61,8 +61,8 @@ def test_defaults_and_every_option(tmp_path: Path) -> None:
     assert (defaults.key_prefix, defaults.last_call_timeout, defaults.join_timeout) == \
         ("/elastic_train/rendezvous", 5.0, 600.0)
     assert (defaults.keep_alive_interval, defaults.keep_alive_max_attempt) == (5.0, 3)
-    assert (defaults.state_ttl, defaults.read_timeout, defaults.request_timeout) == \
-        (7200, 60.0, 10.0)
+    assert (defaults.state_ttl, defaults.read_timeout, defaults.request_timeout,
+            defaults.connect_timeout) == (7200, 60.0, 10.0, 30.0)
     files = {}
     for name in ("ca.pem", "cert.pem", "key.pem"):
         files[name] = tmp_path / name
@@ -74,7 +74,7 @@ def test_defaults_and_every_option(tmp_path: Path) -> None:
         "user": "trainer", "password_file": str(tmp_path / "pw"), "join_timeout": "60",
         "last_call_timeout": "0.5", "close_timeout": "3", "heartbeat_timeout": "2",
         "keep_alive_interval": "1", "keep_alive_max_attempt": "6", "read_timeout": "9",
-        "request_timeout": "4", "state_ttl": "0"})
+        "request_timeout": "4", "state_ttl": "0", "connect_timeout": "7"})
     assert options.endpoint == Endpoint("h", 1, "https")
     assert options.key_prefix == "/jobs/rdzv"
     assert options.credentials.password == "hunter2"
@@ -82,7 +82,7 @@ def test_defaults_and_every_option(tmp_path: Path) -> None:
     assert (options.join_timeout, options.last_call_timeout, options.close_timeout,
             options.heartbeat_timeout, options.keep_alive_interval,
             options.keep_alive_max_attempt, options.read_timeout, options.request_timeout,
-            options.state_ttl) == (60, 0.5, 3, 2, 1, 6, 9, 4, 0)
+            options.state_ttl, options.connect_timeout) == (60, 0.5, 3, 2, 1, 6, 9, 4, 0, 7)
 
 
 @pytest.mark.parametrize(("conf", "message"), [
@@ -126,6 +126,66 @@ def test_short_reasons_of_client_errors() -> None:
                 'is empty","code":3}')
     assert _reason(etcd) == "etcdserver: user name is empty"
     assert _reason(Fake("404 Not Found")) == "404 Not Found"
+
+
+# --- etcd outages: bounded retries, the grace after an outage ------------------------------
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_an_unreachable_etcd_is_retried_until_connect_timeout() -> None:
+    from elastic_train.rendezvous.client import EtcdUnreachableError
+    from elastic_train.rendezvous.outage import retry_unreachable
+
+    fake, calls = FakeTime(), []
+
+    def down_for(attempts: int) -> Any:
+        def fn() -> str:
+            calls.append(fake.now)
+            if len(calls) <= attempts:
+                raise EtcdUnreachableError("http://h:1", "reading k: [Errno 111] Connection "
+                                           "refused")
+            return "answer"
+        return fn
+
+    assert retry_unreachable(down_for(4), 5, fake.sleep, fake.clock) == "answer"
+    assert [round(t - 100, 3) for t in calls] == [0, 0.1, 0.3, 0.7, 1.5]  # backoff to 1 s
+    calls.clear()
+    with pytest.raises(EtcdUnreachableError) as info:
+        retry_unreachable(down_for(1000), 5, fake.sleep, fake.clock)
+    assert calls[-1] - calls[0] == pytest.approx(5)   # tried until the deadline, not past it
+    assert str(info.value) == (
+        "cannot reach etcd at http://h:1 for 5 s (reading k: [Errno 111] Connection refused): "
+        "check that etcd runs there and --rdzv-endpoint, or wait longer with --rdzv-conf "
+        "connect_timeout=SECONDS")
+
+
+def test_no_node_is_judged_dead_for_one_timeout_after_an_outage() -> None:
+    from elastic_train.rendezvous.client import EtcdUnreachableError
+    from elastic_train.rendezvous.outage import Outage
+
+    fake = FakeTime()
+    outage = Outage("http://h:1", grace_seconds=15, clock=fake.clock)
+    outage.reached()
+    assert not outage.ongoing and not outage.in_grace   # no outage, no grace
+    outage.failed(EtcdUnreachableError("http://h:1", "x"))
+    fake.sleep(40)
+    assert outage.ongoing
+    outage.reached()
+    assert not outage.ongoing and outage.in_grace
+    fake.sleep(14.9)
+    assert outage.in_grace
+    fake.sleep(0.2)
+    assert not outage.in_grace
 
 
 # --- the shared lease ---------------------------------------------------------------------
