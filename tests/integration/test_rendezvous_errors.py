@@ -55,13 +55,18 @@ def test_the_v2_check_passes_where_v2_is_served(etcd_v2: EtcdServer) -> None:
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_no_etcd_there(backend: str, tmp_path: Path,
                        capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's v2 backends get the same bounded wait for an etcd that is still starting."""
     port = free_port()
+    began = time.monotonic()
     code, line = run_line(capsys, "--rdzv-backend", backend, "--rdzv-endpoint",
-                          f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "run"))
+                          f"127.0.0.1:{port}", "--rdzv-conf", "connect_timeout=1",
+                          "--run-dir", str(tmp_path / "run"))
     assert code == 1
-    assert line.startswith(f"cannot reach etcd at http://127.0.0.1:{port} (")
+    assert 1 <= time.monotonic() - began < 10
+    assert line.startswith(f"cannot reach etcd at http://127.0.0.1:{port} for 1 s (")
     assert "Connection refused" in line
-    assert line.endswith("): check that etcd runs there and --rdzv-endpoint")
+    assert line.endswith("): check that etcd runs there and --rdzv-endpoint, or wait longer "
+                         "with --rdzv-conf connect_timeout=SECONDS")
 
 
 def test_no_etcd_there_for_etcd_v3_is_retried_for_connect_timeout(
