@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint setup clean
+.PHONY: demo test test-extended test-fast lint setup clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,11 @@ demo: setup
 test: setup
 	bash scripts/install-test-deps.sh
 	$(BIN)/ruff check elastic_train tests examples scripts benchmarks deploy
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not extended" $(PYTEST_ARGS)
+
+## The scenarios beyond the default suite (more backends of the same proofs; minutes).
+test-extended: setup
+	$(BIN)/python -m pytest -m extended $(PYTEST_ARGS)
 
 ## Unit tests only (seconds).
 test-fast: setup

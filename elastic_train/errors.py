@@ -49,6 +49,17 @@ class CheckpointStopError(CheckpointError):
     reported_by_rank0 = True
 
 
+class NodeStoppedError(ElasticTrainError):
+    """Another node was stopped (preempted): this node's workers checkpointed with it at the
+    same step and exit so that their agent re-forms the world without that node.
+
+    A plain exit 0 would tell torch's agent that training is done: it would close the
+    rendezvous, and the training operator would mark the whole job succeeded.
+    """
+
+    exit_code = 75  # EX_TEMPFAIL: the agent restarts the workers
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's files do not match its manifest (torn write, bit rot, edits)."""
 

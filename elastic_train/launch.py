@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from elastic_train.checkpoint.storage import CheckpointStore, check_compatible, tensor_shapes
@@ -230,6 +230,34 @@ def first_failure_line(exc: BaseException) -> str:
     return f"rank {rank} failed: {text}"
 
 
+@contextlib.contextmanager
+def _workers_released_on_close() -> Iterator[None]:
+    """Let forked workers that finished exit when the agent stops them.
+
+    torch's function-entrypoint workers, after returning, wait for an event that the agent
+    sets only when it collects every return value. When the agent instead stops them (its
+    SIGTERM, or a restart to admit a node), a worker that stops gracefully on SIGTERM
+    (checkpoint, return) waits for that event until the agent's shutdown timeout (30 s)
+    runs out and it is SIGKILLed. Setting the event at the start of close() lets it exit
+    at once; workers still running are unaffected (they wait for it only after returning).
+    """
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    original = MultiprocessContext._close
+
+    def close(self: MultiprocessContext, *args: object, **kwargs: object) -> None:
+        event = getattr(self, "_worker_finished_event", None)
+        if event is not None:
+            event.set()
+        original(self, *args, **kwargs)
+
+    MultiprocessContext._close = close  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        MultiprocessContext._close = original  # type: ignore[method-assign]
+
+
 def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str) -> None:
     """Run the elastic agent in this process until the job ends."""
     from torch.distributed import run as torchrun
@@ -253,7 +281,8 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
     os.environ[WORKER_ENV_FILE] = env_file
     multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     try:
-        elastic_launch(config, entrypoint=run_worker)(*job_args)
+        with _workers_released_on_close():
+            elastic_launch(config, entrypoint=run_worker)(*job_args)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(env_file)

@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from elastic_train.config import parse_job_args
 from elastic_train.distributed import destroy_group, init_group
 from elastic_train.env import read_worker_env
-from elastic_train.errors import ElasticTrainError
+from elastic_train.errors import ElasticTrainError, NodeStoppedError
 from elastic_train.metrics_server import WorkerEndpoint, serve_worker_metrics
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import TaskContext
@@ -82,6 +82,10 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         trainer.run()
         if trainer.state.step >= config.train.steps:   # not after a preemption: no time
             linger = config.metrics.linger_seconds
+    except NodeStoppedError as exc:  # not an error: the world re-forms without that node
+        if env.local_rank == 0:
+            print(f"elastic_train: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except ElasticTrainError as exc:
         if env.rank == 0 or not getattr(exc, "reported_by_rank0", False):  # one line per job
             print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)

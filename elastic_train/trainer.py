@@ -33,7 +33,7 @@ from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
-from elastic_train.errors import ConfigError
+from elastic_train.errors import ConfigError, NodeStoppedError
 from elastic_train.events import (
     EVENTS_FILE,
     EventLog,
@@ -122,6 +122,7 @@ class Trainer:
         self.plan = BatchPlan("constant", config.train.batch_size, 1.0, group.world_size,
                               group.world_size)
         self._samples_file: TextIO | None = None
+        self.stopped_nodes: list[int] = []  # the nodes (group ranks) whose workers got a stop
         self._marks = {"process_start": process_start_time(), **(marks or {})}
 
     # ---- building ------------------------------------------------------------------------
@@ -165,8 +166,10 @@ class Trainer:
         batch = self.sampler.next_batch(global_batch)
         mine = batch.shard(rank, world)
         torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
-        # [loss sum, stop votes, save-failure stop]: one all-reduce carries all three.
-        tally = torch.zeros(3, dtype=torch.float64, device=self.group.device)
+        # [loss sum, stop votes, save-failure stop, stop votes of node 0, node 1, ...]: one
+        # all-reduce carries all of it.
+        tally = torch.zeros(3 + self.env.group_world_size, dtype=torch.float64,
+                            device=self.group.device)
         chunks = micro_batches(mine, cfg.micro_batch_size)
         for i, chunk in enumerate(chunks):
             inputs = collate(self.task, [self.dataset[int(j)] for j in chunk])
@@ -188,6 +191,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         tally[1] = 1.0 if self.stop.requested else 0.0
         tally[2] = 1.0 if self.save_failure.vote() else 0.0
+        if self.stop.requested:
+            tally[3 + self.env.group_rank] = 1.0
         if world > 1:
             self.watchdog.phase("all-reduce of the loss")
             dist.all_reduce(tally)
@@ -196,7 +201,9 @@ class Trainer:
         self.watchdog.progress(self.state.step)
         if cfg.record_samples:
             self._record_samples(batch.epoch, batch.offset, mine)
-        loss_sum, votes, save_failed = tally.tolist()
+        loss_sum, votes, save_failed, *by_node = tally.tolist()
+        if votes > 0:
+            self.stopped_nodes = [node for node, v in enumerate(by_node) if v > 0]
         return loss_sum / global_batch, votes > 0, save_failed > 0
 
     def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
@@ -273,7 +280,12 @@ class Trainer:
             # A stop on SIGTERM is no end: the agent also sends it to re-form the world
             # (a node joined) and the launch goes on; its "preempted" event says enough.
             self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
-        return self._finish()
+        summary = self._finish()
+        if stop and self.env.group_rank not in self.stopped_nodes:
+            raise NodeStoppedError(
+                f"node(s) {self.stopped_nodes} stopped at step {self.state.step} (preempted); "
+                f"this node checkpointed with them and restarts to go on without them")
+        return summary
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
         timeout = self.config.distributed.step_timeout_seconds

@@ -21,8 +21,10 @@ each resize. The nodes run the README's commands (endpoint and job options repla
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -222,6 +224,42 @@ def test_etcd_v3_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v3: Et
     report("etcd-v3", measured)
 
 
+def test_etcd_v3_a_preempted_node_leaves_and_the_other_goes_on(tmp_path: Path,
+                                                               etcd_v3: EtcdServer) -> None:
+    """SIGTERM to one node's agent, as Kubernetes evicting its pod: every rank stops at one
+    step and rank 0 checkpoints; the preempted node exits 143 within the preemption budget;
+    the other node's workers exit 75, so that their agent re-forms the world without it
+    (exit 0 would end the job there: torch's agent closes the rendezvous, the operator
+    marks the job succeeded) and trains to the end from that checkpoint, losing no step."""
+    command = harness.readme_command("elastic-train run", "--rdzv-backend etcd-v3")
+    run_dir = tmp_path / "run"
+    nodes = [readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v3.endpoint},
+                         tmp_path.name, FAST, JOB) for name in ("node-a", "node-b")]
+    try:
+        nodes[0].wait_for_event(step_at(2, min_step=12), TIMEOUT)
+        preempted = node_hosting_rank0(*nodes)  # it also writes the checkpoint, then leaves
+        survivor = nodes[1] if preempted is nodes[0] else nodes[0]
+        signalled = time.monotonic()
+        os.kill(preempted.proc.pid, signal.SIGTERM)
+        assert preempted.wait(TIMEOUT) == 143, preempted.report()
+        stopped_in = time.monotonic() - signalled
+        assert survivor.wait(TIMEOUT) == 0, survivor.report()
+    finally:
+        for node in nodes:
+            node.stop()
+    assert stopped_in < 25, f"the preempted node took {stopped_in:.1f}s to exit"
+    assert "Unable to shutdown process" not in preempted.output()  # no SIGKILL needed
+    events = list(read_events(run_dir / EVENTS_FILE))
+    (stop,) = [e["step"] for e in events if e["event"] == "preempted"]
+    assert [(e["step"], e["reason"]) for e in events if e["event"] == "checkpoint_saved"
+            and e["reason"] != "periodic"] == [(stop, "preemption"), (STEPS, "final")]
+    assert [e["step"] for e in events if e["event"] == "checkpoint_loaded"][-1] == stop
+    assert worlds_of(events)[-2:] == [2, 1]
+    assert "restarts to go on without them" in survivor.output()
+    assert_each_sample_once_in_order(run_dir)
+
+
+@pytest.mark.extended
 def test_stock_etcd_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v2: EtcdServer,
                                                          report: Any) -> None:
     """torch's legacy ``etcd`` backend on etcd's v2 API, with the README's command.
