@@ -66,31 +66,37 @@ def restarted_from(job: harness.Job) -> list[int]:
     return [e["step"] for e in job.events() if e["event"] == "checkpoint_loaded"]
 
 
-# (rank to kill, the event after which the kill is sent, the checkpoint the resume must use)
-CASES = {
-    "middle": (1, lambda e: e["event"] == "step" and e["step"] == 15, 10),
-    "right-after-checkpoint": (1, lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20,
-                               20),
-    "right-before-checkpoint": (1, lambda e: e["event"] == "step" and e["step"] == 19, 10),
-    "checkpoint-writer-rank0": (0, lambda e: e["event"] == "step" and e["step"] == 25, 20),
-}
+# The kills of one run, in order: (what, rank to kill, the event after which the kill is
+# sent, the checkpoint the resume must use). Each incarnation is struck once, so the
+# moments are told apart by the incarnation (restart count) that logged the event.
+KILLS = [
+    ("in the middle of an interval", 1, lambda e: e["event"] == "step" and e["step"] == 15, 10),
+    ("right after a checkpoint", 1,
+     lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20, 20),
+    ("right before a checkpoint", 1, lambda e: e["event"] == "step" and e["step"] == 29, 20),
+    ("the checkpoint writer, rank 0", 0, lambda e: e["event"] == "step" and e["step"] == 35,
+     30),
+]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sigkill_resume_is_bitwise_exact(case: str, reference: tuple[str, Path],
-                                         tmp_path: Path) -> None:
-    rank, when, resume_step = CASES[case]
+def test_sigkill_resume_is_bitwise_exact(reference: tuple[str, Path], tmp_path: Path
+                                         ) -> None:
+    """Four SIGKILLs at the moments that matter, in one run: each resume uses the newest
+    checkpoint, and the run ends with the reference's weights, bit for bit."""
     run_dir = tmp_path / "run"
-    job = harness.torchrun(run_dir, JOB, max_restarts=3)
+    job = harness.torchrun(run_dir, JOB, max_restarts=len(KILLS))
     try:
-        job.wait_for_event(when, timeout=TIMEOUT)
-        job.kill_worker(rank)
+        for restart, (what, rank, when, _) in enumerate(KILLS):
+            job.wait_for_event(lambda e, when=when, restart=restart:
+                               when(e) and _incarnation_of(job, e) == restart, timeout=TIMEOUT)
+            print(f"kill {restart + 1}: rank {rank}, {what}")
+            job.kill_worker(rank)
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
-    assert restarted_from(job) == [resume_step], job.report()
+    assert restarted_from(job) == [resume for *_, resume in KILLS], job.report()
     starts = [e for e in job.events() if e["event"] == "start"]
-    assert [s["restart"] for s in starts] == [0, 1]
+    assert [s["restart"] for s in starts] == list(range(len(KILLS) + 1))
     ref_digest, ref_dir = reference
     assert harness.final_digest(run_dir) == ref_digest
     # Every checkpoint the two runs share is the same, bit for bit.
@@ -98,7 +104,13 @@ def test_sigkill_resume_is_bitwise_exact(case: str, reference: tuple[str, Path],
     theirs = {r["step"]: r["model_digest"] for r in harness.checkpoint_listing(ref_dir)}
     assert ours == theirs
     assert_each_sample_once(run_dir)
-    assert "restarts survived 1" in job.output()
+    assert f"restarts survived {len(KILLS)}" in job.output()
+
+
+def _incarnation_of(job: harness.Job, event: dict) -> int:
+    """The restart count of the incarnation that logged ``event`` (the newest start before it)."""
+    starts = [e for e in job.events() if e["event"] == "start" and e["time"] <= event["time"]]
+    return starts[-1]["restart"] if starts else 0
 
 
 def test_elastic_train_run_survives_a_kill_exactly(reference: tuple[str, Path],
