@@ -127,6 +127,7 @@ def test_custom_task_example(workdir: Path) -> None:
     assert sum(losses[-10:]) / 10 < 0.05 * losses[0]  # it learns
 
 
+@pytest.mark.extended
 def test_handwritten_loop_before_runs(workdir: Path) -> None:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
