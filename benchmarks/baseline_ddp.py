@@ -4,7 +4,9 @@ Written like the PyTorch DDP tutorial and the torchelastic example: plain DDP, r
 ``torch.save``s {model, optimizer, step} synchronously every N steps to one file; on a
 restart every rank passes a barrier and ``torch.load``s it with ``map_location``; data
 comes from a DistributedSampler with ``set_epoch``. Same model and data as elastic_train's
-built-in task (the GPT of elastic_train.tasks.gpt on the same corpus windows).
+built-in task (the GPT of elastic_train.tasks.gpt on the same corpus windows) and the same
+training recipe as the benchmark runs it (gradient clipping at 1.0, a cosine learning rate
+without warmup), so that the comparison measures fault tolerance, not a recipe.
 
 Only addition: timing marks appended to ``RUN_DIR/baseline.jsonl`` (rank 0), so that the
 benchmark can compare it with elastic_train. Run it under torchrun:
@@ -14,6 +16,7 @@ benchmark can compare it with elastic_train. Run it under torchrun:
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -72,9 +75,13 @@ def main() -> None:
     while step < args.steps:
         sampler.set_epoch(epoch)
         for batch in loader:
+            for group in optimizer.param_groups:  # cosine to a tenth, as elastic_train's
+                group["lr"] = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step /
+                                                                   args.steps)))
             loss = task.loss(ddp, batch)
             optimizer.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
             if first:

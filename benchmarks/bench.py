@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -151,13 +152,19 @@ def _finish(job: harness.Job, timeout: float) -> None:
 def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
     print("\n## 1-2. Steady state and checkpoint stall (2 workers, gloo)")
     for p in presets:
-        per_step: dict[str, list[float]] = {"base": [], "base+ckpt": [], "ours": []}
+        per_step: dict[str, list[float]] = {"base": [], "base+ckpt": [], "ours": [],
+                                            "ours-nockpt": []}
         stalls: dict[str, list[float]] = {"base": [], "ours": [], "ours-snapshot": []}
         for r in range(reps):
             runs: list[tuple[str, Callable[[Path, Preset, int], harness.Job], int]] = [
                 ("base", _run_baseline, 0), ("base+ckpt", _run_baseline, p.every),
-                ("ours", _run_ours, p.every)]
+                ("ours", _run_ours, p.every), ("ours-nockpt", _run_ours, 0)]
+            # Rotate the order each repetition, and start every run with the previous one's
+            # writes flushed: a run right after a checkpointing one would otherwise pay for
+            # the kernel's write-back of its files.
+            runs = runs[r % len(runs):] + runs[:r % len(runs)]
             for label, launch, every in runs:
+                os.sync()
                 run_dir = tmp / f"{p.name}-{label}-{r}" / "run"
                 job = launch(run_dir, p, every)
                 _finish(job, 1800)
@@ -181,6 +188,9 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
         print(f"| step, baseline without checkpoints | {_summary(per_step['base'])} | 1 |")
         print(f"| step, baseline with torch.save | {_summary(per_step['base+ckpt'])} | "
               f"{_ratio(per_step['base+ckpt'], per_step['base'])} |")
+        print(f"| step, ours without checkpoints (the loop alone) | "
+              f"{_summary(per_step['ours-nockpt'])} | "
+              f"{_ratio(per_step['ours-nockpt'], per_step['base'])} |")
         print(f"| step, ours with checkpoints | {_summary(per_step['ours'])} | "
               f"{_ratio(per_step['ours'], per_step['base'])} (target <= 1.02) |")
         print(f"| stall per save, baseline torch.save | {_summary(stalls['base'])} | 1 |")

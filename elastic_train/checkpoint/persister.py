@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+# Niceness of the writer thread: the training threads of this process and of the other
+# workers on the machine come first, the write uses what CPU they leave (the snapshot
+# the training waited for is already taken).
+WRITER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority (Linux: niceness is per thread); elsewhere nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclass
@@ -41,6 +55,7 @@ class BackgroundPersister:
             raise RuntimeError("a persist is already in flight: wait() for it first")
 
         def run() -> None:
+            _lower_priority()
             started = time.monotonic()
             try:
                 persist()

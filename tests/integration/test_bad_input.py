@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train import cli
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow
@@ -52,10 +53,26 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     (["--metrics-port", "70000"], 2, "--metrics-port 70000 is invalid: it must be a TCP port"),
 ])
 def test_bad_job_option_fails_fast_with_one_line(args: list[str], code: int, expected: str,
-                                                 tmp_path: Path) -> None:
-    result = elastic_train("run", "--run-dir", str(tmp_path / "run"), *args, cwd=tmp_path)
+                                                 tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command's main in this process (the same code, without an interpreter start per
+    case); the console command itself is run by the cases below."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        returned = cli.main(["run", "--run-dir", str(tmp_path / "run"), *args])
+    except SystemExit as exc:
+        returned = exc.code
+    result = subprocess.CompletedProcess(args, returned, "", capsys.readouterr().err)
     assert result.returncode == code
     assert expected in one_error_line(result)
+
+
+def test_the_console_command_gives_the_same_line(tmp_path: Path) -> None:
+    result = elastic_train("run", "--run-dir", str(tmp_path / "run"), "--stepz", "3",
+                           cwd=tmp_path)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --stepz 3" in one_error_line(result)
 
 
 def test_unknown_config_file_key(tmp_path: Path) -> None:
