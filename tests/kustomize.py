@@ -112,31 +112,27 @@ def _json6902(doc: Doc, op: Doc) -> None:
             raise KustomizeError(f"{op['op']} {op['path']}: no {part!r}") from exc
     kind = op["op"]
     value = copy.deepcopy(op.get("value"))
+    key: int | str
     if isinstance(node, list):
-        index = len(node) if last == "-" else int(last)
-        if kind == "add":
-            node.insert(index, value)
-        elif kind == "replace":
-            node[index] = value
-        elif kind == "remove":
-            del node[index]
-        elif kind == "test":
-            if node[index] != value:
-                raise KustomizeError(f"test {op['path']}: {node[index]!r} != {value!r}")
-        else:
-            raise KustomizeError(f"unsupported op {kind!r}")
-        return
-    if kind in ("replace", "remove", "test") and last not in node:
-        raise KustomizeError(f"{kind} {op['path']}: no {last!r}")
-    if kind in ("add", "replace"):
-        node[last] = value
-    elif kind == "remove":
-        del node[last]
-    elif kind == "test":
-        if node[last] != value:
-            raise KustomizeError(f"test {op['path']}: {node[last]!r} != {value!r}")
+        key = len(node) if last == "-" else int(last)
+        present = key < len(node)
     else:
+        key, present = last, last in node
+    if kind == "add":
+        if isinstance(node, list):
+            node.insert(key, value)  # type: ignore[arg-type]
+        else:
+            node[key] = value
+    elif kind not in ("replace", "remove", "test"):
         raise KustomizeError(f"unsupported op {kind!r}")
+    elif not present:
+        raise KustomizeError(f"{kind} {op['path']}: no {last!r}")
+    elif kind == "replace":
+        node[key] = value
+    elif kind == "remove":
+        del node[key]
+    elif node[key] != value:
+        raise KustomizeError(f"test {op['path']}: {node[key]!r} != {value!r}")
 
 
 def _split_image(image: str) -> tuple[str, str]:

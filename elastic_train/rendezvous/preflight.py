@@ -13,13 +13,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import ssl
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
 from elastic_train.errors import RendezvousUnavailableError
+from elastic_train.rendezvous.client import EtcdUnreachableError
 from elastic_train.rendezvous.options import SETTINGS, EtcdV3Options, parse_endpoint
 from elastic_train.rendezvous.outage import retry_unreachable
 
@@ -60,24 +60,21 @@ def check_v2(backend: str, endpoint: str, config: Mapping[str, Any],
             "pip install 'elastic-train[etcd]', or use --rdzv-backend etcd-v3")
     url = _v2_url(backend, endpoint, config)
     context = _tls_context(config) if url.startswith("https") else None
-    wait = float(config.get("connect_timeout", SETTINGS["connect_timeout"][0]))
-    deadline = time.monotonic() + wait
-    delay = 0.1
+
+    def check() -> None:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/keys/", timeout=timeout,
+                                        context=context) as response:
+                json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError:
+            raise
+        except OSError as exc:  # no answer at all: etcd may still be starting
+            raise EtcdUnreachableError(url, str(getattr(exc, "reason", exc))) from None
+
     try:
-        while True:  # an etcd that is still starting gets connect_timeout, as for etcd-v3
-            try:
-                with urllib.request.urlopen(f"{url}/v2/keys/", timeout=timeout,
-                                            context=context) as response:
-                    json.loads(response.read() or b"{}")
-                break
-            except urllib.error.HTTPError:
-                raise
-            except OSError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 1.0)
+        # An etcd that is still starting gets connect_timeout, as for etcd-v3.
+        retry_unreachable(check, float(config.get("connect_timeout",
+                                                  SETTINGS["connect_timeout"][0])))
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             raise RendezvousUnavailableError(
@@ -87,12 +84,12 @@ def check_v2(backend: str, endpoint: str, config: Mapping[str, Any],
         raise RendezvousUnavailableError(
             f"etcd at {url} answered HTTP {exc.code} on /v2/keys/: check --rdzv-endpoint "
             "and the TLS options in --rdzv-conf") from None
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
+    except EtcdUnreachableError as exc:
+        raise RendezvousUnavailableError(str(exc)) from None
+    except ValueError as exc:
         raise RendezvousUnavailableError(
-            f"cannot reach etcd at {url} for {wait:g} s ({reason}): check that etcd runs "
-            "there and --rdzv-endpoint, or wait longer with --rdzv-conf "
-            "connect_timeout=SECONDS") from None
+            f"etcd at {url} answered /v2/keys/ with something that is not JSON ({exc}): "
+            "check that --rdzv-endpoint is etcd's client URL") from None
 
 
 def check_v3(endpoint: str, config: Mapping[str, Any]) -> None:

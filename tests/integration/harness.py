@@ -331,6 +331,14 @@ def elastic_run(run_dir: Path, args: Sequence[str], env: dict[str, str] | None =
     return start(argv, run_dir, env)
 
 
+def uninterrupted_digest(run_dir: Path, job_args: Sequence[str], timeout: float) -> str:
+    """The final weights' digest of ``job_args`` trained by plain torchrun without any
+    interruption: the reference that a disturbed run must end with."""
+    job = torchrun(run_dir, job_args, max_restarts=0)
+    assert job.wait(timeout) == 0, job.report()
+    return final_digest(run_dir)
+
+
 def checkpoint_listing(run_dir: Path) -> list[dict[str, Any]]:
     """``elastic-train checkpoints list --json`` of a run, newest first."""
     out = subprocess.run([sys.executable, "-m", "elastic_train", "checkpoints", "list",

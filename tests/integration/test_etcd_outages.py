@@ -52,10 +52,8 @@ def own_etcd() -> Iterator[EtcdServer]:
 @pytest.fixture(scope="module")
 def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final weights of JOB trained without any interruption (the pace only sleeps)."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    job = harness.torchrun(run_dir, JOB, max_restarts=0)
-    assert job.wait(TIMEOUT) == 0, job.report()
-    return harness.final_digest(run_dir)
+    return harness.uninterrupted_digest(tmp_path_factory.mktemp("reference") / "run", JOB,
+                                        TIMEOUT)
 
 
 def test_training_goes_on_while_etcd_is_down_and_restarts_after_it_is_back(

@@ -25,10 +25,8 @@ TIMEOUT = 180
 
 @pytest.fixture(scope="module")
 def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    job = harness.torchrun(run_dir, JOB, max_restarts=0)
-    assert job.wait(TIMEOUT) == 0, job.report()
-    return harness.final_digest(run_dir)
+    return harness.uninterrupted_digest(tmp_path_factory.mktemp("reference") / "run", JOB,
+                                        TIMEOUT)
 
 
 @pytest.mark.parametrize("target", ["agent", "worker"])
