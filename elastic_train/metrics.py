@@ -111,14 +111,16 @@ class WorkerMetrics:
                                  "optimizer step (forward, backward, update, loss all-reduce)",
                                  buckets=STEP_BUCKETS)
         save = family(Histogram, "checkpoint_save_duration_seconds", "Rank 0: seconds per "
-                      "checkpoint save, by stage (wait: for the previous save's persist, and "
-                      "snapshot: training waits for both; persist: serialise and write, in "
-                      "the background unless synchronous)", extra=("stage",),
-                      buckets=CHECKPOINT_BUCKETS)
+                      "checkpoint save, by stage (wait: for the previous save's persist, "
+                      "snapshot: the copy made at once, copy_wait: the next optimizer step "
+                      "waiting for the overlapped copy; training waits for these three; "
+                      "persist: serialise and write, in the background unless synchronous)",
+                      extra=("stage",), buckets=CHECKPOINT_BUCKETS)
         # stage -> (histogram, the checkpoint_saved field it observes)
         self.save_stages = {stage: (save.labels(**labels, stage=stage), field)
                             for stage, field in (("wait", "waited_seconds"),
                                                  ("snapshot", "snapshot_seconds"),
+                                                 ("copy_wait", "copy_wait_seconds"),
                                                  ("persist", "persist_seconds"))}
         self.load_duration = now(Histogram, "checkpoint_load_duration_seconds", "Seconds to "
                                  "find, verify and load the checkpoint at a (re)start",

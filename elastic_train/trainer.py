@@ -268,7 +268,10 @@ class Trainer:
                 self._preempted()
                 break
             if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
-                self.checkpoints.save(self.state.step, self._stateful())
+                # This loop changes parameters and optimizer state only in optimizer.step():
+                # their copy overlaps the next forward and backward.
+                self.checkpoints.save(self.state.step, self._stateful(),
+                                      overlap_with=self.optimizer)
         self.watchdog.stop()  # the final save may take long: not a stalled step
         if save_failed or self.save_failure.agreed_after_loop():
             self.save_failure.stop(self.state.step)

@@ -24,9 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from elastic_train import distributed
 from elastic_train.checkpoint.persister import BackgroundPersister
-from elastic_train.checkpoint.snapshot import SnapshotBuffers, Stateful
+from elastic_train.checkpoint.snapshot import (
+    PendingCopies,
+    SnapshotBuffers,
+    Stateful,
+    changed_only_by_step,
+)
 from elastic_train.checkpoint.storage import (
     CheckpointInfo,
     CheckpointStore,
@@ -80,6 +87,8 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._buffers = SnapshotBuffers()
         self._persister = BackgroundPersister()
+        self._copies_in_flight: PendingCopies | None = None  # the next step waits for them
+        self._guarded: set[int] = set()  # optimizers whose step waits for copies in flight
 
     # ---- restore -------------------------------------------------------------------------
     def _choose(self, shapes: Mapping[str, list[Any]]) -> dict[str, Any]:
@@ -171,25 +180,36 @@ class CheckpointManager:
         return interval is not None and time.monotonic() - self._last_save_time >= interval
 
     def save(self, step: int, objects: Mapping[str, Stateful], reason: str = "periodic",
-             wait: bool = False) -> None:
+             wait: bool = False, overlap_with: torch.optim.Optimizer | None = None) -> None:
         """Rank 0 snapshots the state and persists it; other ranks return at once.
 
         Training waits only for the snapshot: the persist runs in the background unless
         ``wait`` (the final checkpoint) or the policy is synchronous. A snapshot waits for
         the previous persist only while that one is still running, and says so.
+
+        With ``overlap_with`` (the optimizer of a loop that changes parameters and their
+        optimizer state only in its ``step()``), those tensors are copied while the next
+        forward and backward run, and that optimizer's next ``step()`` waits for the copy
+        (snapshot.py); the seconds it waited are the event's ``copy_wait_seconds``.
         """
         if self.group.rank != 0:
             return
         waited = self._finish_pending()
         if step == self.last_saved_step:
             return
-        started = time.monotonic()
-        snapshot = self._buffers.copy(objects)
+        background = not wait and self.policy.asynchronous
+        deferred = changed_only_by_step(overlap_with) if background and overlap_with else ()
+        started, snapshot_at = time.monotonic(), time.time()
+        snapshot, pending = self._buffers.begin(objects, deferred)
         snapshot_seconds = time.monotonic() - started
         self._last_save_time = time.monotonic()
+        if pending is not None and overlap_with is not None:
+            self._guard_next_step(overlap_with, pending)
 
         def persist() -> None:
-            began = time.monotonic()
+            if pending is not None:
+                pending.wait()
+            began, cpu_began = time.monotonic(), time.thread_time()
             try:
                 info = self.persist(step, snapshot)
             except CheckpointWriteError as exc:
@@ -198,21 +218,44 @@ class CheckpointManager:
                 raise
             self.last_saved_step = step
             self.saved += 1
+            overlap = {} if pending is None else {
+                "copy_seconds": round(pending.copy_seconds or 0.0, 6),
+                "copy_wait_seconds": round(pending.training_waited, 6)}
             self.events.emit("checkpoint_saved", step=step, path=str(info.path), reason=reason,
                              bytes=info.size_bytes, model_digest=info.model_digest,
-                             snapshot_seconds=round(snapshot_seconds, 6),
+                             snapshot_at=round(snapshot_at, 6),
+                             snapshot_seconds=round(snapshot_seconds, 6), **overlap,
                              persist_seconds=round(time.monotonic() - began, 6),
+                             persist_cpu_seconds=round(time.thread_time() - cpu_began, 6),
                              waited_seconds=round(waited, 6))
 
         if wait:
             persist()
-        elif not self.policy.asynchronous:
+        elif not background:
             try:
                 persist()
             except CheckpointWriteError:
                 pass  # reported by _failed, handled by the policy like a background failure
         else:
             self._persister.submit(step, persist)
+
+    def _guard_next_step(self, optimizer: torch.optim.Optimizer, pending: PendingCopies) -> None:
+        """Make ``optimizer``'s next step wait for ``pending``.
+
+        The hook is registered once and stays (torch iterates the hooks while calling
+        them: one cannot remove itself); without copies in flight it does nothing.
+        """
+        self._copies_in_flight = pending
+        if id(optimizer) in self._guarded:
+            return
+
+        def before_step(*_: Any) -> None:
+            pending, self._copies_in_flight = self._copies_in_flight, None
+            if pending is not None:
+                pending.wait_for_training()
+
+        optimizer.register_step_pre_hook(before_step)
+        self._guarded.add(id(optimizer))
 
     def _failed(self, exc: CheckpointWriteError) -> None:
         """Report a failed periodic write at once (on the thread that wrote it)."""
@@ -231,6 +274,7 @@ class CheckpointManager:
         started = time.monotonic()
         result = self._persister.wait()
         waited = time.monotonic() - started if busy else 0.0
+        self._copies_in_flight = None  # done: the persist waited for them
         if report_wait and busy and waited > 0.001:
             log.warning("checkpoint save waited %.3fs for the previous persist (step %s) to "
                         "finish: checkpoints are due faster than the disk writes them",

@@ -1,14 +1,22 @@
 """Copy training state to host memory fast, into buffers reused from one save to the next.
 
-The snapshot is the only part of a save that training waits for. Reusing the buffers
+The snapshot is the only part of a save that training may wait for. Reusing the buffers
 avoids allocating (and page-faulting) the whole state again at every save; on CUDA they
 are pinned so the device-to-host copy runs at full speed. A buffer is reused only after
 the persist that read it has finished (the manager guarantees that).
+
+A snapshot can also *overlap* the next step (:meth:`SnapshotBuffers.begin`): tensors that
+only the optimizer's ``step()`` changes (parameters, optimizer state) are copied while the
+next forward and backward run, by a thread on CPU or a side stream on CUDA, and the
+optimizer's next ``step()`` waits until they are copied. Everything else (buffers a
+forward pass may change, counters, RNG and sampler state) is copied at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -20,11 +28,87 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
+def changed_only_by_step(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Data pointers of the tensors that only ``optimizer.step()`` writes: its parameters
+    and its per-parameter state (moments, step counts)."""
+    pointers = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+    for state in optimizer.state.values():
+        pointers.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+    pointers.discard(0)  # empty tensors share the null pointer
+    return pointers
+
+
+class PendingCopies:
+    """Copies into host buffers that run while training goes on.
+
+    ``wait_for_training`` is what the optimizer's next step calls: on CPU it blocks until
+    the copies are done; on CUDA it only orders the compute stream after the copy stream
+    (the host does not block). ``wait`` blocks the calling thread until the buffers hold
+    the copied bytes (the persist calls it before reading them).
+    """
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 stream: Any | None = None, device: torch.device | None = None) -> None:
+        self.bytes = sum(dst.numel() * dst.element_size() for _, dst in pairs)
+        self.copy_seconds: float | None = None
+        self.training_waited = 0.0
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._event: Any | None = None
+        self._device = device
+        if stream is None:
+            self._thread: threading.Thread | None = threading.Thread(
+                target=self._copy_on_host, args=(pairs,), name="checkpoint-snapshot-copy",
+                daemon=True)
+            self._thread.start()
+        else:
+            self._thread = None
+            started = time.monotonic()
+            with torch.cuda.stream(stream):
+                for src, dst in pairs:
+                    dst.copy_(src, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+            self.copy_seconds = time.monotonic() - started  # enqueueing; the copy is async
+            self._done.set()
+
+    def _copy_on_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        started = time.monotonic()
+        try:
+            for src, dst in pairs:
+                dst.copy_(src)
+        except BaseException as exc:  # the persist reports it; the checkpoint is not written
+            self.error = exc
+        finally:
+            self.copy_seconds = time.monotonic() - started
+            self._done.set()
+
+    def wait_for_training(self) -> float:
+        """Before the tensors change: let the copies finish first; the seconds blocked."""
+        started = time.monotonic()
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+        else:
+            self._done.wait()
+        waited = time.monotonic() - started
+        self.training_waited += waited
+        return waited
+
+    def wait(self) -> None:
+        """Block until the buffers hold the copies; raise what a copy raised."""
+        self._done.wait()
+        if self._event is not None:
+            self._event.synchronize()
+        if self.error is not None:
+            raise self.error
+
+
 class SnapshotBuffers:
     """Host buffers keyed by their place in the state tree."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}
         self.bytes_allocated = 0
 
     def _buffer_for(self, path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
@@ -39,15 +123,27 @@ class SnapshotBuffers:
 
     def copy(self, objects: Mapping[str, Stateful]) -> dict[str, Any]:
         """Every object's state dict with each tensor copied into its host buffer."""
-        on_cuda = False
+        state, pending = self.begin(objects, deferred=())
+        assert pending is None
+        return state
+
+    def begin(self, objects: Mapping[str, Stateful], deferred: Collection[int]
+              ) -> tuple[dict[str, Any], PendingCopies | None]:
+        """The state tree now, with the tensors whose data pointer is in ``deferred`` still
+        being copied by the returned :class:`PendingCopies` (None when nothing is)."""
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        on_cuda: set[torch.device] = set()
 
         def walk(value: Any, path: tuple[Any, ...]) -> Any:
-            nonlocal on_cuda
             if isinstance(value, torch.Tensor):
                 source = value.detach()
-                on_cuda = on_cuda or source.device.type == "cuda"
                 buffer = self._buffer_for(path, source)
-                buffer.copy_(source, non_blocking=source.device.type == "cuda")
+                if source.device.type == "cuda":
+                    on_cuda.add(source.device)
+                if source.numel() and source.data_ptr() in deferred:
+                    later.append((source, buffer))
+                else:
+                    buffer.copy_(source, non_blocking=source.device.type == "cuda")
                 return buffer
             if isinstance(value, dict):
                 return {k: walk(v, (*path, k)) for k, v in value.items()}
@@ -56,6 +152,21 @@ class SnapshotBuffers:
             return value
 
         snapshot = {name: walk(obj.state_dict(), (name,)) for name, obj in objects.items()}
-        if on_cuda:
-            torch.cuda.synchronize()
-        return snapshot
+        for device in on_cuda:  # the copies made at once are complete on return
+            torch.cuda.current_stream(device).synchronize()
+        devices = {src.device for src, _ in later}
+        if len(devices) > 1:  # one copy stream per save: state on several devices copies now
+            for src, dst in later:
+                dst.copy_(src)
+            later = []
+        if not later:
+            return snapshot, None
+        (device,) = devices
+        if device.type != "cuda":
+            return snapshot, PendingCopies(later)
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        # The copies read what the compute stream has written up to now.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return snapshot, PendingCopies(later, stream, device)

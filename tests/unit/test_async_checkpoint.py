@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elastic_train.checkpoint.manager import CheckpointManager
-from elastic_train.checkpoint.snapshot import SnapshotBuffers
+from elastic_train.checkpoint.snapshot import PendingCopies, SnapshotBuffers, changed_only_by_step
 from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 from elastic_train.config import CheckpointConfig
 from elastic_train.distributed import Group
@@ -148,3 +148,90 @@ def test_a_failed_periodic_write_is_reported_at_once_under_either_mode(
             "(Permission denied): free space or fix permissions; the previous checkpoints are "
             "intact; every rank stops at the next step (--on-save-failure stop)") in caplog.text
     assert [i.step for i in store.list()] == [1]
+
+
+# --- snapshots that overlap the next step ---------------------------------------------------
+
+
+def _trained(width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, width)).sum().backward()
+    optimizer.step()
+    model(torch.randn(4, width)).sum().backward()  # gradients ready for the next step
+    return model, optimizer
+
+
+def test_changed_only_by_step_names_parameters_and_optimizer_state() -> None:
+    model, optimizer = _trained()
+    pointers = changed_only_by_step(optimizer)
+    expected = {p.data_ptr() for p in model.parameters()}
+    for state in optimizer.state.values():
+        expected |= {state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                     state["step"].data_ptr()}
+    assert pointers == expected and len(pointers) == 4 * 4
+
+
+def test_the_next_optimizer_step_waits_for_an_overlapped_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    copy = PendingCopies._copy_on_host
+
+    def gated_copy(self: PendingCopies, pairs: Any) -> None:
+        assert gate.wait(timeout=30), "test gate never opened"
+        copy(self, pairs)
+
+    monkeypatch.setattr(PendingCopies, "_copy_on_host", gated_copy)
+    manager, store, events_path = make(tmp_path)
+    model, optimizer = _trained()
+    before = model_digest(model.state_dict())
+    moment = optimizer.state_dict()["state"][0]["exp_avg"].clone()
+
+    manager.save(1, {"model": model, "optimizer": optimizer}, overlap_with=optimizer)
+    stepper = threading.Thread(target=optimizer.step)
+    stepper.start()                                  # the next step: it must wait
+    stepper.join(timeout=0.5)
+    assert stepper.is_alive(), "optimizer.step() ran while the snapshot was being copied"
+    assert model_digest(model.state_dict()) == before
+    gate.set()
+    stepper.join(timeout=30)
+    assert not stepper.is_alive()
+    assert model_digest(model.state_dict()) != before    # the step did run, afterwards
+    manager.finish()
+
+    (info,) = store.list()
+    assert info.model_digest == before                   # the state of step 1, not 2
+    saved = store.load(info, map_location="cpu")
+    assert torch.equal(saved["optimizer"]["state"][0]["exp_avg"], moment)
+    (event,) = events(events_path, "checkpoint_saved")
+    assert event["copy_wait_seconds"] >= 0.4 and event["copy_seconds"] > 0
+    assert event["persist_cpu_seconds"] >= 0
+    optimizer.step()                                     # nothing in flight: no wait
+
+
+def test_an_overlapped_snapshot_copies_forward_changed_tensors_at_once(tmp_path: Path) -> None:
+    manager, store, _ = make(tmp_path)
+    model = torch.nn.BatchNorm1d(8)                      # running stats change in forward
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(16, 8))
+    stats = model.running_mean.clone()
+    manager.save(1, {"model": model}, overlap_with=optimizer)
+    model(torch.randn(16, 8) + 5.0)                      # the next forward
+    manager.finish()
+    (info,) = store.list()
+    saved = store.load(info, map_location="cpu")
+    assert torch.equal(saved["model"]["running_mean"], stats)
+
+
+def test_without_background_writes_a_save_does_not_overlap(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints")
+    manager = CheckpointManager(store, GROUP, CheckpointConfig(every_steps=1, keep=5,
+                                                               asynchronous=False),
+                                EventLog(tmp_path / "events.jsonl"))
+    model, optimizer = _trained()
+    manager.save(1, {"model": model, "optimizer": optimizer}, overlap_with=optimizer)
+    assert manager._copies_in_flight is None
+    (event,) = [e for e in read_events(tmp_path / "events.jsonl")
+                if e["event"] == "checkpoint_saved"]
+    assert "copy_wait_seconds" not in event

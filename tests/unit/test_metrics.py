@@ -58,7 +58,8 @@ def test_values_follow_the_records_of_a_restarted_rank0() -> None:
           "group_ready": 95.0, "first_step_done": 100.5},
          *[step(n, 100.0 + (n - 20) * 0.5) for n in range(21, 31)],
          {"event": "checkpoint_saved", "time": 106.0, "step": 30, "bytes": 1234,
-          "snapshot_seconds": 0.01, "persist_seconds": 0.2, "waited_seconds": 0.03})
+          "snapshot_seconds": 0.01, "persist_seconds": 0.2, "waited_seconds": 0.03,
+          "copy_wait_seconds": 0.005})
     expected = {
         "elastic_train_steps_total": 10, "elastic_train_samples_total": 80,  # 8 of every 15
         "elastic_train_step": 30, "elastic_train_target_step": 40,
@@ -85,7 +86,8 @@ def test_values_follow_the_records_of_a_restarted_rank0() -> None:
         assert value(registry, name, **rank0) == pytest.approx(want), name
     assert value(registry, "elastic_train_step_duration_seconds_bucket", le="0.1",
                  **rank0) == 10
-    for stage, seconds in (("wait", 0.03), ("snapshot", 0.01), ("persist", 0.2)):
+    for stage, seconds in (("wait", 0.03), ("snapshot", 0.01), ("copy_wait", 0.005),
+                           ("persist", 0.2)):
         assert value(registry, "elastic_train_checkpoint_save_duration_seconds_count",
                      stage=stage, **rank0) == 1
         assert value(registry, "elastic_train_checkpoint_save_duration_seconds_sum",

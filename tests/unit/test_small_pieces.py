@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import sys
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -418,7 +419,8 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(manager_module, "time", types.SimpleNamespace(monotonic=fake.monotonic))
+    monkeypatch.setattr(manager_module, "time", types.SimpleNamespace(
+        monotonic=fake.monotonic, time=time.time, thread_time=time.thread_time))
     return fake
 
 
