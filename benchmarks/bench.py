@@ -2,6 +2,8 @@
 
     python benchmarks/bench.py                 # all figures (10-20 minutes on 2 cores)
     python benchmarks/bench.py --quick         # one repetition, small model only
+    python benchmarks/bench.py --nproc 2,1     # steady state also with one worker, so that
+                                               # a core is left to the writer (a GPU node)
 
 Every figure is a ratio against a baseline measured in the same invocation (the machines
 are shared and noisy), with the median and the spread (min-max) over the repetitions:
@@ -19,6 +21,7 @@ are shared and noisy), with the median and the spread (min-max) over the repetit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -45,6 +48,7 @@ class Preset:
     steps: int
     batch: int
     every: int
+    nproc: int = 2
 
 
 PRESETS = {
@@ -67,7 +71,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 
 def _run_baseline(run_dir: Path, p: Preset, every: int) -> harness.Job:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc}",
             "--max-restarts=3", "--monitor-interval=0.1", "--rdzv-backend=c10d",
             "--rdzv-endpoint=127.0.0.1:0", BASELINE, str(run_dir), "--preset", p.name,
             "--steps", str(p.steps), "--batch-size", str(p.batch),
@@ -78,7 +82,7 @@ def _run_baseline(run_dir: Path, p: Preset, every: int) -> harness.Job:
 def _run_ours(run_dir: Path, p: Preset, every: int) -> harness.Job:
     args = ["--preset", p.name, "--steps", str(p.steps), "--batch-size", str(p.batch),
             "--checkpoint-every", str(every) if every else "off", "--log-every", "1000",
-            "--max-restarts", "3", "--warmup-steps", "0"]
+            "--max-restarts", "3", "--warmup-steps", "0", "--nproc-per-node", str(p.nproc)]
     return harness.elastic_run(run_dir, args)
 
 
@@ -157,7 +161,7 @@ def _finish(job: harness.Job, timeout: float) -> None:
 
 
 def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
-    print("\n## 1-2. Steady state and checkpoint stall (2 workers, gloo)")
+    print("\n## 1-2. Steady state and checkpoint stall")
     for p in presets:
         per_step: dict[str, list[float]] = {"base": [], "base+ckpt": [], "ours": [],
                                             "ours-nockpt": []}
@@ -174,7 +178,7 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
             runs = runs[r % len(runs):] + runs[:r % len(runs)]
             for label, launch, every in runs:
                 os.sync()
-                run_dir = tmp / f"{p.name}-{label}-{r}" / "run"
+                run_dir = tmp / f"{p.name}-{p.nproc}-{label}-{r}" / "run"
                 job = launch(run_dir, p, every)
                 _finish(job, 1800)
                 events = _baseline_log(run_dir) if label.startswith("base") else \
@@ -198,8 +202,9 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
         floor_1 = _floor_seconds(p.name, threads=1)
         floor_all = _floor_seconds(p.name, threads=os.cpu_count() or 1)
         base_step = statistics.median(per_step["base"])
-        print(f"\n### preset {p.name}: {p.steps} steps, global batch {p.batch}, "
-              f"checkpoint every {p.every} steps, {reps} repetition(s)")
+        print(f"\n### preset {p.name}: {p.nproc} worker(s) on {os.cpu_count()} cores (gloo), "
+              f"{p.steps} steps, global batch {p.batch}, checkpoint every {p.every} steps, "
+              f"{reps} repetition(s)")
         print("| figure | seconds: median (min-max) | ratio |")
         print("|---|---|---|")
         print(f"| step, baseline without checkpoints | {_summary(per_step['base'])} | 1 |")
@@ -298,11 +303,16 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--presets", default="small,medium")
     parser.add_argument("--quick", action="store_true", help="1 repetition, small only")
+    parser.add_argument("--nproc", default="2", help="workers of the steady-state runs, "
+                        "comma-separated for several (1 leaves a core to the checkpoint "
+                        "writer, as the host CPUs of a GPU node do)")
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--skip-steady", action="store_true")
     ns = parser.parse_args()
     reps = 1 if ns.quick else ns.reps
-    presets = [PRESETS["small"]] if ns.quick else [PRESETS[n] for n in ns.presets.split(",")]
+    names = ["small"] if ns.quick else ns.presets.split(",")
+    presets = [dataclasses.replace(PRESETS[n], nproc=int(k))
+               for k in ns.nproc.split(",") for n in names]
     tmp = Path(tempfile.mkdtemp(prefix="et-bench-"))
     print(f"# elastic_train benchmark ({time.strftime('%Y-%m-%d %H:%M')}, runs in {tmp})")
     if not ns.skip_steady:

@@ -11,16 +11,23 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-# Niceness of the writer thread: the training threads of this process and of the other
-# workers on the machine come first, the write uses what CPU they leave (the snapshot
-# the training waited for is already taken).
+# The writer thread runs in Linux's SCHED_IDLE class: it gets a core only when no training
+# thread of this or any other worker wants it (the waits in collectives, a spare core),
+# so the write takes no CPU from training. Where that class is not available, niceness 10.
+# The snapshot training waited for is already taken; at shutdown training waits anyway.
 WRITER_NICENESS = 10
 
 
 def _lower_priority() -> None:
-    """Lower this thread's CPU priority (Linux: niceness is per thread); elsewhere nothing."""
+    """Lower this thread's CPU priority (Linux: per thread); elsewhere nothing."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICENESS)
     except (AttributeError, OSError):
         pass
 

@@ -128,12 +128,15 @@ def model_digest(model_state: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _tensor_bytes(tensor: torch.Tensor, chunk: int = _HASH_CHUNK) -> Iterator[bytes]:
-    """The raw bytes of a contiguous CPU tensor, in chunks (no numpy needed)."""
+def _tensor_bytes(tensor: torch.Tensor, chunk: int = _HASH_CHUNK) -> Iterator[memoryview]:
+    """The raw bytes of a contiguous CPU tensor, in chunks, without copying them (no numpy
+    needed); valid while ``tensor`` lives."""
     total = tensor.numel() * tensor.element_size()
-    base = tensor.data_ptr()
+    if total == 0:
+        return
+    view = memoryview((ctypes.c_ubyte * total).from_address(tensor.data_ptr())).cast("B")
     for offset in range(0, total, chunk):
-        yield ctypes.string_at(base + offset, min(chunk, total - offset))
+        yield view[offset:offset + chunk]
 
 
 def tensor_shapes(model_state: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
