@@ -303,8 +303,11 @@ def test_c10d_loses_a_node_and_grows_back_scaling_the_lr(tmp_path: Path,
     plans = [p for p in events if p["event"] == "batch_plan"]
     first_world = plans[0]["world_size"]  # W0: each rank keeps BATCH / W0 samples
     per_world = {w: BATCH * w // first_world for w in (1, 2)}
-    assert [(p["world_size"], p["global_batch"], p["lr_scale"]) for p in plans][-3:] == \
-        [(w, per_world[w], per_world[w] / BATCH) for w in (2, 1, 2)]
+    # A loaded machine may add a round at the same size (the new node missed the last call
+    # of the round its arrival started, and joins the next): compare the changes of size.
+    worlds = [(p["world_size"], p["global_batch"], p["lr_scale"]) for p in plans]
+    changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+    assert changes[-3:] == [(w, per_world[w], per_world[w] / BATCH) for w in (2, 1, 2)]
     steps = [e for e in events if e["event"] == "step"]
     assert {w: {e["global_batch"] for e in steps if e["world_size"] == w} for w in (1, 2)} \
         == {w: {per_world[w]} for w in (1, 2)}
