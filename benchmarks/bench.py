@@ -141,6 +141,22 @@ def _floor_seconds(preset: str, threads: int) -> float:
     return statistics.median(times)
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(steal, all) clock ticks of the machine so far (Linux; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+def _steal_since(before: tuple[int, int]) -> float:
+    """Share of the machine's CPU time the hypervisor gave to others since ``before``."""
+    steal, total = _cpu_ticks()
+    return (steal - before[0]) / max(1, total - before[1])
+
+
 def _summary(values: list[float]) -> str:
     if not values:
         return "n/a"
@@ -168,6 +184,7 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
         stalls: dict[str, list[float]] = {"base": [], "ours": [], "ours-stall": []}
         saves: dict[str, list[float]] = {"snapshot": [], "copy": [], "copy_wait": [],
                                          "persist": [], "persist_cpu": []}
+        steal: dict[str, list[float]] = {label: [] for label in per_step}
         for r in range(reps):
             runs: list[tuple[str, Callable[[Path, Preset, int], harness.Job], int]] = [
                 ("base", _run_baseline, 0), ("base+ckpt", _run_baseline, p.every),
@@ -179,8 +196,10 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
             for label, launch, every in runs:
                 os.sync()
                 run_dir = tmp / f"{p.name}-{p.nproc}-{label}-{r}" / "run"
+                ticks = _cpu_ticks()
                 job = launch(run_dir, p, every)
                 _finish(job, 1800)
+                steal[label].append(_steal_since(ticks))
                 events = _baseline_log(run_dir) if label.startswith("base") else \
                     _our_log(run_dir)
                 times = _step_times(events)
@@ -215,6 +234,9 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
               f"{_ratio(per_step['ours-nockpt'], per_step['base'])} |")
         print(f"| step, ours with checkpoints | {_summary(per_step['ours'])} | "
               f"{_ratio(per_step['ours'], per_step['base'])} (target <= 1.02) |")
+        print("| CPU time stolen by the hypervisor during the runs (base, base+ckpt, ours, "
+              "ours without): " + ", ".join(
+                  f"{100 * statistics.median(v):.0f} %" for v in steal.values()) + " | | |")
         print(f"| stall per save, baseline torch.save | {_summary(stalls['base'])} | 1 |")
         print(f"| stall per save, ours (training waits: previous persist + copy at once + "
               f"next step's wait for the overlapped copy) | {_summary(stalls['ours-stall'])}"
