@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,8 @@ class CheckpointManager:
         self._buffers = SnapshotBuffers()
         self._persister = BackgroundPersister()
         self._copies_in_flight: PendingCopies | None = None  # the next step waits for them
-        self._guarded: set[int] = set()  # optimizers whose step waits for copies in flight
+        # Optimizers whose step waits for copies in flight (weak: an id could be reused).
+        self._guarded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     # ---- restore -------------------------------------------------------------------------
     def _choose(self, shapes: Mapping[str, list[Any]]) -> dict[str, Any]:
@@ -246,7 +248,7 @@ class CheckpointManager:
         them: one cannot remove itself); without copies in flight it does nothing.
         """
         self._copies_in_flight = pending
-        if id(optimizer) in self._guarded:
+        if optimizer in self._guarded:
             return
 
         def before_step(*_: Any) -> None:
@@ -255,7 +257,7 @@ class CheckpointManager:
                 pending.wait_for_training()
 
         optimizer.register_step_pre_hook(before_step)
-        self._guarded.add(id(optimizer))
+        self._guarded.add(optimizer)
 
     def _failed(self, exc: CheckpointWriteError) -> None:
         """Report a failed periodic write at once (on the thread that wrote it)."""

@@ -49,7 +49,6 @@ class PendingCopies:
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                  stream: Any | None = None, device: torch.device | None = None) -> None:
-        self.bytes = sum(dst.numel() * dst.element_size() for _, dst in pairs)
         self.copy_seconds: float | None = None
         self.training_waited = 0.0
         self.error: BaseException | None = None
@@ -57,12 +56,9 @@ class PendingCopies:
         self._event: Any | None = None
         self._device = device
         if stream is None:
-            self._thread: threading.Thread | None = threading.Thread(
-                target=self._copy_on_host, args=(pairs,), name="checkpoint-snapshot-copy",
-                daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._copy_on_host, args=(pairs,),
+                             name="checkpoint-snapshot-copy", daemon=True).start()
         else:
-            self._thread = None
             started = time.monotonic()
             with torch.cuda.stream(stream):
                 for src, dst in pairs:
@@ -83,16 +79,15 @@ class PendingCopies:
             self.copy_seconds = time.monotonic() - started
             self._done.set()
 
-    def wait_for_training(self) -> float:
-        """Before the tensors change: let the copies finish first; the seconds blocked."""
+    def wait_for_training(self) -> None:
+        """Before the tensors change: let the copies finish first (adds the seconds blocked
+        to ``training_waited``)."""
         started = time.monotonic()
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         else:
             self._done.wait()
-        waited = time.monotonic() - started
-        self.training_waited += waited
-        return waited
+        self.training_waited += time.monotonic() - started
 
     def wait(self) -> None:
         """Block until the buffers hold the copies; raise what a copy raised."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,8 +174,9 @@ def test_changed_only_by_step_names_parameters_and_optimizer_state() -> None:
     assert pointers == expected and len(pointers) == 4 * 4
 
 
-def test_the_next_optimizer_step_waits_for_an_overlapped_copy(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def copy_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Overlapped copies start only once the returned event is set (opened at teardown)."""
     gate = threading.Event()
     copy = PendingCopies._copy_on_host
 
@@ -183,6 +185,12 @@ def test_the_next_optimizer_step_waits_for_an_overlapped_copy(
         copy(self, pairs)
 
     monkeypatch.setattr(PendingCopies, "_copy_on_host", gated_copy)
+    yield gate
+    gate.set()
+
+
+def test_the_next_optimizer_step_waits_for_an_overlapped_copy(
+        tmp_path: Path, copy_gate: threading.Event) -> None:
     manager, store, events_path = make(tmp_path)
     model, optimizer = _trained()
     before = model_digest(model.state_dict())
@@ -194,7 +202,7 @@ def test_the_next_optimizer_step_waits_for_an_overlapped_copy(
     stepper.join(timeout=0.5)
     assert stepper.is_alive(), "optimizer.step() ran while the snapshot was being copied"
     assert model_digest(model.state_dict()) == before
-    gate.set()
+    copy_gate.set()
     stepper.join(timeout=30)
     assert not stepper.is_alive()
     assert model_digest(model.state_dict()) != before    # the step did run, afterwards
@@ -210,14 +218,17 @@ def test_the_next_optimizer_step_waits_for_an_overlapped_copy(
     optimizer.step()                                     # nothing in flight: no wait
 
 
-def test_an_overlapped_snapshot_copies_forward_changed_tensors_at_once(tmp_path: Path) -> None:
+def test_an_overlapped_snapshot_copies_forward_changed_tensors_at_once(
+        tmp_path: Path, copy_gate: threading.Event) -> None:
     manager, store, _ = make(tmp_path)
     model = torch.nn.BatchNorm1d(8)                      # running stats change in forward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(16, 8))
     stats = model.running_mean.clone()
     manager.save(1, {"model": model}, overlap_with=optimizer)
-    model(torch.randn(16, 8) + 5.0)                      # the next forward
+    assert manager._copies_in_flight is not None         # weight and bias wait at the gate
+    model(torch.randn(16, 8) + 5.0)                      # the next forward, meanwhile
+    copy_gate.set()
     manager.finish()
     (info,) = store.list()
     saved = store.load(info, map_location="cpu")
