@@ -157,14 +157,18 @@ def assert_each_sample_once_in_order(run_dir: Path) -> dict[int, int]:
     steps = effective_steps(run_dir)
     assert sorted(steps) == list(range(1, STEPS + 1))
     used: dict[int, list[int]] = defaultdict(list)
+    first_batch: dict[int, int] = {}  # epoch -> size of its first global batch
     for step in sorted(steps):
         used[steps[step]["epoch"]].extend(steps[step]["indices"])
+        first_batch.setdefault(steps[step]["epoch"], len(steps[step]["indices"]))
     for epoch, indices in used.items():
         assert len(indices) == len(set(indices)), f"epoch {epoch} repeats samples"
         order = epoch_order(SAMPLES, SEED, epoch).tolist()
         assert indices == order[:len(indices)], f"epoch {epoch} skipped or reordered samples"
-        if epoch < max(used):  # a finished epoch used all it could before rolling over
-            assert SAMPLES - len(indices) < BATCH
+        if epoch < max(used):
+            # An epoch rolls over only when the next global batch (its size depends on the
+            # world under --batch-policy scale-lr) no longer fits in what is left.
+            assert SAMPLES - len(indices) < first_batch[epoch + 1], (epoch, len(indices))
     return {epoch: len(indices) for epoch, indices in used.items()}
 
 
