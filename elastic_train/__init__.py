@@ -16,9 +16,17 @@ from elastic_train.errors import (
     TaskError,
     UnsafeCheckpointError,
 )
-from elastic_train.tasks.base import Task, TaskContext
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # Task and TaskContext import torch; the launcher imports this package before torch.
+    if name in ("Task", "TaskContext"):
+        from elastic_train.tasks import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'elastic_train' has no attribute {name!r}")
 
 __all__ = [
     "CheckpointCorruptError",

@@ -1,4 +1,8 @@
-"""The ``elastic-train`` command: run a job, inspect and verify its checkpoints."""
+"""The ``elastic-train`` command: run a job, inspect and verify its checkpoints.
+
+torch is imported where a command needs it, not here: ``run`` starts its workers' server
+before this process imports torch (see worker_start.py).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from elastic_train import __version__
-from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.errors import ElasticTrainError
+from elastic_train.process_exit import exit_process
 
 USAGE = """usage: elastic-train <command> [options]
 
@@ -31,6 +35,8 @@ commands:
 
 
 def _checkpoint_rows(run_dir: Path) -> list[dict[str, Any]]:
+    from elastic_train.checkpoint.storage import CheckpointStore
+
     store = CheckpointStore(run_dir / "checkpoints")
     rows = []
     for info in store.list():
@@ -64,6 +70,8 @@ def _check_run_dir(run_dir: Path) -> None:
 
 
 def checkpoints_list(run_dir: Path, as_json: bool) -> int:
+    from elastic_train.checkpoint.storage import CheckpointStore
+
     _check_run_dir(run_dir)
     rows = _checkpoint_rows(run_dir)
     leftovers = [str(p) for p in CheckpointStore(run_dir / "checkpoints").leftovers()]
@@ -165,3 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     print(f"elastic-train: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
+
+
+def console() -> NoReturn:
+    """The ``elastic-train`` console script."""
+    exit_process(main())

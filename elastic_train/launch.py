@@ -10,39 +10,23 @@ get defaults for jobs that must not sit in torch's 30 s last call (``RDZV_DEFAUL
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
-import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_train.checkpoint.storage import CheckpointStore, check_compatible, tensor_shapes
 from elastic_train.config import JobConfig, parse_job_args
-from elastic_train.env import (
-    WORKER_ENV_FILE,
-    apply_environment_defaults,
-    launcher_environment_defaults,
-    read_worker_env,
-)
+from elastic_train.env import read_worker_env
 from elastic_train.errors import ConfigError, ElasticTrainError
-from elastic_train.metrics import check_single_process_mode
-from elastic_train.metrics_server import check_ports_free
-from elastic_train.rendezvous import timing
-from elastic_train.rendezvous.options import check_keep_alive
-from elastic_train.rendezvous.preflight import check_rendezvous
+from elastic_train.rendezvous.heartbeat import check_keep_alive
 from elastic_train.rundir import prepare_run_dir
-from elastic_train.tasks.base import TaskContext
-from elastic_train.tasks.loader import load_task
+from elastic_train.worker_start import worker_processes, workers_released_on_close
 
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = "elastic_train.train"
-# Imported once by the forkserver; every (re)started worker is forked with them loaded.
-FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
-                      "elastic_train.train", "elastic_train.tasks.gpt"]
 
 # --rdzv-conf defaults per backend; what the user gives wins. torch waits 30 s after the
 # minimum number of nodes joined for more (last call): a node started a few seconds after
@@ -179,6 +163,12 @@ def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
     metrics ports in use."""
     import torch
 
+    from elastic_train.checkpoint.storage import CheckpointStore, check_compatible, tensor_shapes
+    from elastic_train.metrics import check_single_process_mode
+    from elastic_train.metrics_server import check_ports_free
+    from elastic_train.tasks.base import TaskContext
+    from elastic_train.tasks.loader import load_task
+
     prepare_run_dir(config.run_dir)
     task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                     config.train.seed, config.run_dir))
@@ -230,34 +220,6 @@ def first_failure_line(exc: BaseException) -> str:
     return f"rank {rank} failed: {text}"
 
 
-@contextlib.contextmanager
-def _workers_released_on_close() -> Iterator[None]:
-    """Let forked workers that finished exit when the agent stops them.
-
-    torch's function-entrypoint workers, after returning, wait for an event that the agent
-    sets only when it collects every return value. When the agent instead stops them (its
-    SIGTERM, or a restart to admit a node), a worker that stops gracefully on SIGTERM
-    (checkpoint, return) waits for that event until the agent's shutdown timeout (30 s)
-    runs out and it is SIGKILLed. Setting the event at the start of close() lets it exit
-    at once; workers still running are unaffected (they wait for it only after returning).
-    """
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-
-    original = MultiprocessContext._close
-
-    def close(self: MultiprocessContext, *args: object, **kwargs: object) -> None:
-        event = getattr(self, "_worker_finished_event", None)
-        if event is not None:
-            event.set()
-        original(self, *args, **kwargs)
-
-    MultiprocessContext._close = close  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        MultiprocessContext._close = original  # type: ignore[method-assign]
-
-
 def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str) -> None:
     """Run the elastic agent in this process until the job ends."""
     from torch.distributed import run as torchrun
@@ -265,8 +227,6 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
     if worker_start == "subprocess":
         torchrun.run(args)
         return
-    import multiprocessing
-
     from torch.distributed.launcher.api import elastic_launch
 
     from elastic_train.train import run_worker
@@ -275,23 +235,14 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
         args.master_port = 29500  # what torchrun.run() does; unused by the c10d/etcd backends
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
-    # Values the agent learns later (rendezvous durations) reach forked workers by file.
-    fd, env_file = tempfile.mkstemp(prefix="elastic-train-worker-env-", suffix=".json")
-    os.close(fd)
-    os.environ[WORKER_ENV_FILE] = env_file
-    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-    try:
-        with _workers_released_on_close():
-            elastic_launch(config, entrypoint=run_worker)(*job_args)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(env_file)
+    with workers_released_on_close():
+        elastic_launch(config, entrypoint=run_worker)(*job_args)
 
 
 def main(argv: Sequence[str]) -> int:
     """Parse, pre-flight and launch; return the exit code."""
     # Workers run ``python -m elastic_train.train`` and so import tasks from the working
-    # directory; the pre-flight must see the same modules.
+    # directory; the pre-flight and the forkserver must see the same modules.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     parser = launcher_parser()
@@ -304,17 +255,30 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = parse_job_args(job_args, prog="elastic-train run")
         cmd = torchrun_argv(ns, job_args)
+    except ElasticTrainError as exc:
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    # The workers' server imports torch while this process does (see worker_start).
+    with worker_processes(ns.worker_start, ns.nproc_per_node):
+        return _checked_launch(ns, cmd, job_args, config)
+
+
+def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[str],
+                    config: JobConfig) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from elastic_train.rendezvous import timing
+    from elastic_train.rendezvous.preflight import check_rendezvous
+
+    try:
         check_rendezvous(ns.rdzv_backend, ns.rdzv_endpoint,
                          parse_rdzv_conf(rdzv_conf_with_defaults(ns.rdzv_backend, ns.rdzv_conf)))
         preflight(config, ns.nproc_per_node)
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    apply_environment_defaults(launcher_environment_defaults())
     timing.install()
     try:
         _launch(torchrun.parse_args(cmd), job_args, ns.worker_start)

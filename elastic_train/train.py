@@ -17,6 +17,7 @@ from elastic_train.distributed import destroy_group, init_group
 from elastic_train.env import read_worker_env
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
 from elastic_train.metrics_server import WorkerEndpoint, serve_worker_metrics
+from elastic_train.process_exit import exit_process
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task
@@ -109,4 +110,4 @@ def run_worker(*argv: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

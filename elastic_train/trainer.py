@@ -233,7 +233,8 @@ class Trainer:
                                          self.env.run_id) if self.group.rank == 0 else None)
         self.events.emit("start", run_id=self.env.run_id, restart=self.env.restart_count,
                          world_size=self.group.world_size, total_steps=cfg.steps,
-                         backend=self.group.backend, config=self.config.to_dict())
+                         backend=self.group.backend, threads=torch.get_num_threads(),
+                         config=self.config.to_dict())
         self._record_rendezvous(previous)
         self.save_failure.refuse_restart(previous, Path(self.config.run_dir) / "checkpoints")
         restored = self.checkpoints.restore(self._stateful())

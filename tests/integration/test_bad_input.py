@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
 import pytest
@@ -57,8 +59,12 @@ def test_bad_job_option_fails_fast_with_one_line(args: list[str], code: int, exp
                                                  capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The command's main in this process (the same code, without an interpreter start per
-    case); the console command itself is run by the cases below."""
+    case); the console command itself is run by the cases below. A case that fails in the
+    pre-flight has started the workers' forkserver by then: it must be gone too."""
     monkeypatch.chdir(tmp_path)
+    for key in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):  # set by the launch
+        monkeypatch.delenv(key, raising=False)
+    children = child_pids()
     try:
         returned = cli.main(["run", "--run-dir", str(tmp_path / "run"), *args])
     except SystemExit as exc:
@@ -66,6 +72,23 @@ def test_bad_job_option_fails_fast_with_one_line(args: list[str], code: int, exp
     result = subprocess.CompletedProcess(args, returned, "", capsys.readouterr().err)
     assert result.returncode == code
     assert expected in one_error_line(result)
+    # multiprocessing's resource tracker, started with the forkserver, stays until exit
+    tracker = {resource_tracker._resource_tracker._pid}
+    assert child_pids() - tracker == children - tracker
+    assert forkserver._forkserver._forkserver_pid is None
+
+
+def child_pids() -> set[int]:
+    """This process's live children (zombies included: a reaped child is gone)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            found.add(int(stat.parent.name))
+    return found
 
 
 def test_the_console_command_gives_the_same_line(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train import cli
+from elastic_train.events import EVENTS_FILE, read_events
 from tests.integration import harness, prom
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,8 @@ def readme_commands() -> list[str]:
     return re.findall(r"^\$ (.+)$", README.read_text(), flags=re.M)
 
 
-def run_readme_command(command: str, cwd: Path, extra: list[str] = ()) -> harness.Job:
+def run_readme_command(command: str, cwd: Path, extra: list[str] = (),
+                       env: dict[str, str] | None = None) -> harness.Job:
     """Start a README command in ``cwd`` (the console scripts resolved to this Python)."""
     assert command in readme_commands(), f"not in the README: {command}"
     argv = shlex.split(command) + list(extra)
@@ -36,7 +38,7 @@ def run_readme_command(command: str, cwd: Path, extra: list[str] = ()) -> harnes
     elif argv[0] == "torchrun":
         argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     run_dir = cwd / "runs" / "job"
-    return harness.start(argv, run_dir, cwd=cwd)
+    return harness.start(argv, run_dir, env, cwd=cwd)
 
 
 @pytest.fixture
@@ -56,10 +58,15 @@ def test_readme_names_the_ci_and_demo_commands() -> None:
 
 def test_demo_command_trains_and_summarises(workdir: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    # `make demo` runs this command; fewer steps keep the suite fast.
+    # `make demo` runs this command; fewer steps keep the suite fast. A user's shell has no
+    # OMP_NUM_THREADS: the launcher sets 1 per worker (2 workers), as torchrun does.
+    env = harness.job_env()
+    env.pop("OMP_NUM_THREADS")
     job = run_readme_command("elastic-train run --run-dir runs/demo --steps 200 --preset small",
-                             workdir, ["--steps", "40", "--checkpoint-every", "20"])
+                             workdir, ["--steps", "40", "--checkpoint-every", "20"], env)
     assert job.wait(TIMEOUT) == 0, job.report()
+    events = read_events(workdir / "runs" / "demo" / EVENTS_FILE)
+    assert [e["threads"] for e in events if e["event"] == "start"] == [1]
     out = job.output()
     assert "run " in out and ": 40/40 steps" in out
     assert "checkpoints       2 written, 0 skipped as corrupt" in out

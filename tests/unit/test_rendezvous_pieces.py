@@ -18,8 +18,9 @@ from elastic_train.errors import ConfigError, RendezvousConfigError
 from elastic_train.events import EventLog, previous_incarnation, read_events_backwards
 from elastic_train.rendezvous import timing
 from elastic_train.rendezvous.client import Endpoint, _reason
+from elastic_train.rendezvous.heartbeat import check_keep_alive
 from elastic_train.rendezvous.lease import SharedLease
-from elastic_train.rendezvous.options import EtcdV3Options, check_keep_alive, parse_endpoint
+from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
 from elastic_train.summary import summarize
 from tests.memory_kv import MemoryKV
 
