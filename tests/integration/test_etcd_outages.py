@@ -27,7 +27,9 @@ TIMEOUT = 180
 # A node is dead after 5 s without a heartbeat; a round closes 1 s after its minimum.
 FAST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
 DEAD_AFTER = 5.0
-JOB = ["--preset", "tiny", "--batch-size", "32", "--steps", "140", "--checkpoint-every", "10",
+# Paced at 0.2 s a step, the test's phases (to step 10, 7 s down, etcd's restart, 6 s up)
+# take at most ~90 steps before the kill; the rest is the recovery's.
+JOB = ["--preset", "tiny", "--batch-size", "32", "--steps", "110", "--checkpoint-every", "10",
        "--log-every", "50"]
 PACED = ["--task", "tests.integration.paced_task:make_task", "--task-opt", "pace=0.2"]
 
