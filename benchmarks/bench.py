@@ -15,7 +15,8 @@ are shared and noisy), with the median and the spread (min-max) over the repetit
 3. recovery after SIGKILL of one worker (single node, c10d): kill -> first completed step,
    ours vs baseline, broken into agent (detection + re-rendezvous + spawn), imports,
    process group, build + restore, DDP, first step;
-4. lost work per failure: steps redone.
+4. lost work per failure: steps redone; and the job's start (launch -> first completed
+   step) of the same runs.
 """
 
 from __future__ import annotations
@@ -259,6 +260,7 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
 
 
 def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[str, float]:
+    launched = time.time()
     job = _run_ours(run_dir, p, p.every) if ours else _run_baseline(run_dir, p, p.every)
     read = (lambda: _our_log(run_dir)) if ours else (lambda: _baseline_log(run_dir))
     try:
@@ -267,6 +269,7 @@ def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[s
             if time.monotonic() > deadline or job.proc.poll() is not None:
                 raise SystemExit(f"run never reached step {kill_at}:\n{job.report()}")
             time.sleep(0.01)
+        first_step = min(e["time"] for e in read() if e["event"] == "step")
         killed_at = time.time()
         job.kill_worker(1)
         steps_done = max(e["step"] for e in read() if e["event"] == "step")
@@ -284,6 +287,7 @@ def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[s
     m = marks[0]
     start = m["process_start"] or m["imported"]
     return {
+        "job start": first_step - launched,
         "total": m["first_step_done"] - killed_at,
         "agent": start - killed_at,
         "imports": m["imported"] - start,
@@ -310,7 +314,7 @@ def recovery(tmp: Path, reps: int) -> None:
     print("| part | baseline s | ours s | ours / baseline |")
     print("|---|---|---|---|")
     for key in ("total", "agent", "imports", "group", "build+restore", "ddp", "first step",
-                "lost steps", "restarts used"):
+                "lost steps", "restarts used", "job start"):
         base = [x[key] for x in results["baseline"] if not x["failed"]]
         ours = [x[key] for x in results["ours"] if not x["failed"]]
         print(f"| {key} | {_summary(base)} | {_summary(ours)} | {_ratio(ours, base)} |")
