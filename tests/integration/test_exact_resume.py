@@ -81,10 +81,11 @@ KILLS = [
 
 def test_sigkill_resume_is_bitwise_exact(reference: tuple[str, Path], tmp_path: Path
                                          ) -> None:
-    """Four SIGKILLs at the moments that matter, in one run: each resume uses the newest
-    checkpoint, and the run ends with the reference's weights, bit for bit."""
+    """Four SIGKILLs at the moments that matter, in one ``elastic-train run`` (workers
+    forked from its forkserver): each resume uses the newest checkpoint, and the run ends
+    with the reference's weights, bit for bit."""
     run_dir = tmp_path / "run"
-    job = harness.torchrun(run_dir, JOB, max_restarts=len(KILLS))
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", str(len(KILLS))])
     try:
         for restart, (what, rank, when, _) in enumerate(KILLS):
             job.wait_for_event(lambda e, when=when, restart=restart:
@@ -113,11 +114,11 @@ def _incarnation_of(job: harness.Job, event: dict) -> int:
     return starts[-1]["restart"] if starts else 0
 
 
-def test_elastic_train_run_survives_a_kill_exactly(reference: tuple[str, Path],
-                                                   tmp_path: Path) -> None:
-    """The one-command launcher (fresh c10d store per round) resumes exactly too."""
+def test_plain_torchrun_survives_a_kill_exactly(reference: tuple[str, Path],
+                                                tmp_path: Path) -> None:
+    """Under plain torchrun (a fresh interpreter per restart) the resume is exact too."""
     run_dir = tmp_path / "run"
-    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "3"])
+    job = harness.torchrun(run_dir, JOB, max_restarts=3)
     try:
         job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 15, timeout=TIMEOUT)
         job.kill_worker(1)
