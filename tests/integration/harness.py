@@ -28,6 +28,14 @@ from elastic_train.events import EVENTS_FILE, read_events
 REPO = Path(__file__).resolve().parents[2]
 
 
+# The tiny GPT with dropout, 45 steps of 64 samples: the job of test_chaos and
+# test_preemption, which share its uninterrupted reference (conftest.py); only options that
+# do not change the weights may differ between them.
+TINY_DROPOUT_STEPS = 45
+TINY_DROPOUT = ["--preset", "tiny", "--batch-size", "64", "--steps", str(TINY_DROPOUT_STEPS),
+                "--task-opt", "dropout=0.1"]
+
+
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"

@@ -16,20 +16,29 @@ import pytest
 
 from elastic_train.events import read_events
 from tests.integration import harness
+from tests.integration.harness import TINY_DROPOUT_STEPS
 
 pytestmark = pytest.mark.slow
 
 KILLS = int(os.environ.get("ET_CHAOS_KILLS", "3"))
-STEPS = max(40, 15 * KILLS)
+STEPS = max(TINY_DROPOUT_STEPS, 15 * KILLS)
 JOB = ["--preset", "tiny", "--batch-size", "64", "--steps", str(STEPS),
        "--checkpoint-every", "5", "--keep-checkpoints", str(STEPS), "--log-every", "20",
        "--task-opt", "dropout=0.1"]
 
 
-def test_random_kills_never_change_the_result(tmp_path: Path) -> None:
+@pytest.fixture
+def ref(tmp_path: Path, request: pytest.FixtureRequest) -> dict[int, str]:
+    """{step: digest} of JOB uninterrupted (the shared reference, unless the soak variant
+    runs more steps)."""
+    if STEPS == TINY_DROPOUT_STEPS:
+        return request.getfixturevalue("tiny_dropout_reference")
     reference = harness.elastic_run(tmp_path / "reference", [*JOB, "--max-restarts", "0"])
     assert reference.wait(300) == 0, reference.report()
-    ref = {r["step"]: r["model_digest"] for r in harness.checkpoint_listing(reference.run_dir)}
+    return {r["step"]: r["model_digest"] for r in harness.checkpoint_listing(reference.run_dir)}
+
+
+def test_random_kills_never_change_the_result(tmp_path: Path, ref: dict[int, str]) -> None:
 
     rng = random.Random(int(os.environ.get("ET_CHAOS_SEED", "7")))
     job = harness.elastic_run(tmp_path / "chaos", [*JOB, "--max-restarts", str(KILLS + 2)])

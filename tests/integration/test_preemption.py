@@ -15,18 +15,18 @@ import pytest
 
 from elastic_train.events import read_events
 from tests.integration import harness
+from tests.integration.harness import TINY_DROPOUT, TINY_DROPOUT_STEPS
 
 pytestmark = pytest.mark.slow
 
-JOB = ["--preset", "tiny", "--batch-size", "64", "--steps", "30", "--checkpoint-every", "50",
-       "--log-every", "10", "--task-opt", "dropout=0.1"]
+# No periodic checkpoint before the end: the preemption's is the only one.
+JOB = [*TINY_DROPOUT, "--checkpoint-every", "50", "--log-every", "10"]
 TIMEOUT = 180
 
 
-@pytest.fixture(scope="module")
-def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return harness.uninterrupted_digest(tmp_path_factory.mktemp("reference") / "run", JOB,
-                                        TIMEOUT)
+@pytest.fixture
+def reference_digest(tiny_dropout_reference: dict[int, str]) -> str:
+    return tiny_dropout_reference[TINY_DROPOUT_STEPS]
 
 
 @pytest.mark.parametrize("target", ["agent", "worker"])
@@ -53,7 +53,7 @@ def test_sigterm_stops_cleanly_and_the_rerun_loses_no_step(target: str, referenc
     events = list(read_events(run_dir / "events.jsonl"))
     (preempted,) = [e for e in events if e["event"] == "preempted"]
     stopped_at = preempted["step"]
-    assert 12 <= stopped_at < 30
+    assert 12 <= stopped_at < TINY_DROPOUT_STEPS
     last_step = max(e["step"] for e in events if e["event"] == "step")
     assert last_step == stopped_at                        # every rank stopped at one boundary
     saved = [e for e in events if e["event"] == "checkpoint_saved"]
@@ -68,7 +68,9 @@ def test_sigterm_stops_cleanly_and_the_rerun_loses_no_step(target: str, referenc
     else:
         assert job.proc.returncode == 0                   # the agent saw every worker exit 0
 
-    rerun = harness.torchrun(run_dir, JOB, max_restarts=0)
+    # The same command again.
+    rerun = (harness.elastic_run(run_dir, [*JOB, "--max-restarts", "0"]) if target == "agent"
+             else harness.torchrun(run_dir, JOB, max_restarts=0))
     assert rerun.wait(TIMEOUT) == 0, rerun.report()
     loaded = [e["step"] for e in read_events(run_dir / "events.jsonl")
               if e["event"] == "checkpoint_loaded"]
