@@ -8,20 +8,31 @@
     for epoch in session.epochs(EPOCHS):                          # was: range + set_epoch
         for x, y in loader:
             ...                                                   # the step, unchanged
-            session.step(loss)                                    # new: count, checkpoint
+            if session.step(loss):                                # new: count, checkpoint
+                break                                             # (SIGTERM: epochs() ends)
     session.close()                                               # was: rank-0 torch.save
 
 The session uses the same checkpoint format, restore protocol, sampler and event log as the
 built-in trainer, so ``elastic-train checkpoints`` and reports work on its runs too.
+
+Preemption works as in the built-in trainer: SIGTERM on any rank becomes a vote that every
+rank sees at the same step (one small all-reduce per step), rank 0 checkpoints that step,
+``step()`` returns True, and the workers exit 0 after ``close()``, within the budget. On
+several nodes only the signalled node's workers exit 0; the others' ``close()`` raises
+``NodeStoppedError`` (a non-zero exit), so that their agents re-form the world without it.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from elastic_train import distributed
@@ -29,8 +40,9 @@ from elastic_train.checkpoint.manager import CheckpointManager, Stateful
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
 from elastic_train.env import WorkerEnv, read_worker_env
-from elastic_train.errors import ConfigError
+from elastic_train.errors import ConfigError, NodeStoppedError
 from elastic_train.events import EVENTS_FILE, EventLog
+from elastic_train.preemption import StopRequest
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.sampler import ElasticBatchSampler
 from elastic_train.seeding import derive_seed
@@ -53,10 +65,16 @@ class ElasticSession:
     def __init__(self, run_dir: str | Path, *, checkpoint_every: int | None = 100,
                  checkpoint_interval: float | None = None, keep_checkpoints: int = 3,
                  seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
+                 preemption_budget: float | None = 25.0,
                  env: WorkerEnv | None = None) -> None:
+        """``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit (keep
+        it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python."""
         if checkpoint_every is not None and checkpoint_every <= 0:
             raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
                               "positive number of steps, or None")
+        if preemption_budget is not None and preemption_budget <= 0:
+            raise ConfigError(f"preemption_budget {preemption_budget} is invalid: it must be a "
+                              "positive number of seconds, or None")
         self.env = env or read_worker_env()
         self.run_dir = Path(run_dir)
         self.seed = seed
@@ -71,6 +89,11 @@ class ElasticSession:
         self._counter = _Counter()
         self._objects: dict[str, Stateful] = {}
         self._sampler: ElasticBatchSampler | None = None
+        self._stop: StopRequest | None = None
+        if preemption_budget is not None and threading.current_thread() is threading.main_thread():
+            self._stop = StopRequest(preemption_budget).install()
+        self.stopped_at: int | None = None
+        self._stopped_nodes: list[int] = []
 
     @property
     def rank(self) -> int:
@@ -127,34 +150,94 @@ class ElasticSession:
         return 0 if restored is None else restored.step
 
     def epochs(self, count: int) -> Iterator[int]:
-        """Epoch numbers from the resumed one to ``count - 1``; positions the sampler."""
+        """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.
+
+        Ends early after a stop (``step()`` returned True).
+        """
         first = self._sampler.epoch if self._sampler is not None else 0
         for epoch in range(first, count):
+            if self.stopped_at is not None:
+                return
             if self._sampler is not None:
                 self._sampler.set_epoch(epoch)
             yield epoch
 
-    def step(self, loss: float | torch.Tensor | None = None) -> None:
-        """Call after each optimizer step: counts it, advances the sampler, checkpoints."""
+    def step(self, loss: float | torch.Tensor | None = None) -> bool:
+        """Call after each optimizer step: counts it, advances the sampler, checkpoints.
+
+        Returns True when the job is being stopped (SIGTERM on any rank): this step is
+        then checkpointed; leave the training loop and call ``close()``.
+        """
         if not self._objects:
             raise ConfigError("call restore(model=..., optimizer=...) before the first step()")
+        if self.stopped_at is not None:
+            raise ConfigError(f"step() after the stop at step {self.stopped_at}: leave the "
+                              "training loop when step() returns True, then call close()")
         self._counter.step += 1
         if self._sampler is not None:
             self._sampler.advance()
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         self.events.emit("step", step=self.step_count, loss=value, world_size=self.world_size,
                          restart=self.env.restart_count)
+        if self._stop_voted():
+            self._stop_here()
+            return True
         if self.checkpoints.due(self.step_count):
             self.checkpoints.save(self.step_count, self._objects)
         torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
+        return False
+
+    def _stop_voted(self) -> bool:
+        """Whether any rank got SIGTERM: [any, node 0, node 1, ...] summed over the world."""
+        if self._stop is None:
+            return False
+        votes = torch.zeros(1 + self.env.group_world_size, dtype=torch.float64,
+                            device=self.device)
+        if self._stop.requested:
+            votes[0] = votes[1 + self.env.group_rank] = 1.0
+        if self.world_size > 1:
+            dist.all_reduce(votes)
+        anyone, *by_node = votes.tolist()
+        self._stopped_nodes = [node for node, v in enumerate(by_node) if v > 0]
+        return anyone > 0
+
+    def _stop_here(self) -> None:
+        assert self._stop is not None
+        self.stopped_at = self.step_count
+        waited = None if self._stop.received_at is None else \
+            round(time.monotonic() - self._stop.received_at, 6)
+        self.events.emit("preempted", step=self.step_count, signal=self._stop.signal_name,
+                         rank_signalled=self._stop.requested, seconds_since_signal=waited)
+        self.checkpoints.save(self.step_count, self._objects, reason="preemption", wait=True)
+        self.checkpoints.finish()
+        distributed.barrier(self.group)
+        if self.rank == 0:
+            print(f"elastic_train: stop requested (preemption): stopped at step "
+                  f"{self.step_count} with a checkpoint; rerun the same command to resume",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """Write the final checkpoint, wait for every rank, and leave the process group."""
-        if self._objects:
-            self.checkpoints.save(self.step_count, self._objects, reason="final", wait=True)
-            self.checkpoints.finish()
-        distributed.barrier(self.group)
-        self.events.emit("end", step=self.step_count, run_id=self.env.run_id)
+        """Write the final checkpoint, wait for every rank, and leave the process group.
+
+        After a stop (``step()`` returned True) the checkpoint is written already and the
+        run is not over: no final checkpoint, no ``end`` event. A node that was not
+        signalled then raises ``NodeStoppedError`` (see the module docstring).
+        """
+        if self.stopped_at is None:
+            if self._objects:
+                self.checkpoints.save(self.step_count, self._objects, reason="final", wait=True)
+                self.checkpoints.finish()
+            distributed.barrier(self.group)
+            self.events.emit("end", step=self.step_count, run_id=self.env.run_id)
+        self._leave()
+        if self.stopped_at is not None and self.env.group_rank not in self._stopped_nodes:
+            raise NodeStoppedError(
+                f"node(s) {self._stopped_nodes} stopped at step {self.stopped_at} (preempted); "
+                "this node checkpointed with them and restarts to go on without them")
+
+    def _leave(self) -> None:
+        if self._stop is not None:
+            self._stop.uninstall()
         self.events.close()
         distributed.destroy_group()
 
@@ -165,5 +248,4 @@ class ElasticSession:
         if exc_type is None:
             self.close()
         else:
-            self.events.close()
-            distributed.destroy_group()
+            self._leave()

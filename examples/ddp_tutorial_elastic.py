@@ -1,10 +1,13 @@
-"""AFTER: the same loop made fault-tolerant with elastic_train (six lines changed).
+"""AFTER: the same loop made fault-tolerant with elastic_train (six lines changed, and a
+stop on SIGTERM).
 
     torchrun --nproc-per-node 2 --max-restarts 3 examples/ddp_tutorial_elastic.py
 
 Checkpoints are atomic and checksummed, written every 20 steps; a restart resumes from the
 newest valid one mid-epoch, with no sample repeated or skipped and dropout randomness
 derived from (seed, step, rank): the result is bitwise the one of a run that never failed.
+SIGTERM (a preemption) checkpoints the step every rank is at and ends the loop; the same
+command resumes from there.
 """
 
 import sys
@@ -51,7 +54,8 @@ def main() -> None:
             loss = nn.functional.mse_loss(ddp_model(x), y)
             loss.backward()
             optimizer.step()
-            session.step(loss)                                      # 5: counts, checkpoints
+            if session.step(loss):                                  # 5: counts, checkpoints;
+                break                                               # True: SIGTERM, stop now
         if session.rank == 0:
             print(f"epoch {epoch} loss {loss.item():.4f}")
     session.close()                                                 # 6: was rank-0 torch.save

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -152,13 +153,21 @@ def tutorial_command() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
 
 
-def test_handwritten_loop_made_elastic_resumes_exactly(workdir: Path) -> None:
+@pytest.fixture(scope="module")
+def tutorial_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The model digest at the end (step 128) of the tutorial run without interruption."""
+    work = tmp_path_factory.mktemp("tutorial-reference")
+    shutil.copytree(harness.REPO / "examples", work / "examples")
+    argv = tutorial_command()
+    job = harness.start([*argv[:-1], "runs/reference"], work / "runs" / "reference", cwd=work)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    return harness.digest_at(work / "runs" / "reference", 128)
+
+
+def test_handwritten_loop_made_elastic_resumes_exactly(workdir: Path,
+                                                       tutorial_reference: str) -> None:
     argv = tutorial_command()
     assert argv[-1] == "runs/tutorial"
-    reference = harness.start([*argv[:-1], "runs/reference"], workdir / "runs" / "reference",
-                              cwd=workdir)
-    assert reference.wait(TIMEOUT) == 0, reference.report()
-
     job = harness.start(argv, workdir / "runs" / "tutorial", cwd=workdir)
     try:
         # The toy steps take milliseconds: the kill lands a few steps after step 30, well
@@ -170,5 +179,37 @@ def test_handwritten_loop_made_elastic_resumes_exactly(workdir: Path) -> None:
         job.stop()
     loaded = [e["step"] for e in job.events() if e["event"] == "checkpoint_loaded"]
     assert len(loaded) == 1 and loaded[0] in (20, 40, 60, 80, 100, 120), loaded
-    assert harness.digest_at(workdir / "runs" / "tutorial", 128) == \
-        harness.digest_at(workdir / "runs" / "reference", 128)
+    assert harness.digest_at(workdir / "runs" / "tutorial", 128) == tutorial_reference
+
+
+def test_handwritten_loop_stops_on_sigterm_and_the_rerun_loses_no_step(
+        workdir: Path, tutorial_reference: str) -> None:
+    """SIGTERM to one worker: every rank stops at the same step, which rank 0 checkpoints;
+    the workers exit 0; the same command resumes there and ends with the reference."""
+    argv = tutorial_command()
+    run_dir = workdir / "runs" / "tutorial"
+    job = harness.start(argv, run_dir, cwd=workdir)
+    try:
+        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 30, timeout=TIMEOUT)
+        job.kill_worker(1, signal.SIGTERM)
+        assert job.wait(60) == 0, job.report()
+    finally:
+        job.stop()
+    events = list(read_events(run_dir / EVENTS_FILE))
+    (preempted,) = [e for e in events if e["event"] == "preempted"]
+    stopped = preempted["step"]
+    assert 30 <= stopped < 128
+    assert max(e["step"] for e in events if e["event"] == "step") == stopped
+    saved = [(e["step"], e["reason"]) for e in events if e["event"] == "checkpoint_saved"]
+    assert saved[-1] == (stopped, "preemption"), saved
+    assert "end" not in [e["event"] for e in events]
+    out = job.output()
+    assert f"stop requested (preemption): stopped at step {stopped} with a checkpoint" in out
+    assert "Traceback" not in out
+
+    rerun = harness.start(argv, run_dir, cwd=workdir)
+    assert rerun.wait(TIMEOUT) == 0, rerun.report()
+    loaded = [e["step"] for e in read_events(run_dir / EVENTS_FILE)
+              if e["event"] == "checkpoint_loaded"]
+    assert loaded == [stopped]                                  # no step lost
+    assert harness.digest_at(run_dir, 128) == tutorial_reference
