@@ -152,9 +152,14 @@ class ElasticSession:
     def epochs(self, count: int) -> Iterator[int]:
         """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.
 
-        Ends early after a stop (``step()`` returned True).
+        A resume right at the end of an epoch starts with the next one (not with an empty
+        epoch). Ends early after a stop (``step()`` returned True).
         """
-        first = self._sampler.epoch if self._sampler is not None else 0
+        first = 0
+        if self._sampler is not None:
+            first = self._sampler.epoch
+            if len(self._sampler) == 0 and self._sampler.sampler.consumed > 0:
+                first += 1
         for epoch in range(first, count):
             if self.stopped_at is not None:
                 return
