@@ -5,6 +5,9 @@ option for ``elastic_train.train``, checked here before any process starts so th
 fails in a second with one line instead of after every restart is burnt. The rendezvous
 service is checked too (reachable, the API the backend needs), and the rendezvous timeouts
 get defaults for jobs that must not sit in torch's 30 s last call (``RDZV_DEFAULTS``).
+
+torch is imported inside the functions that need it, not at the top: the workers' forkserver
+starts first, so that it imports torch while this process does (worker_start.py).
 """
 
 from __future__ import annotations
