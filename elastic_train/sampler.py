@@ -118,6 +118,12 @@ class ElasticBatchSampler:
     def __len__(self) -> int:
         return (self.sampler.num_samples - self.sampler.consumed) // self.batch_size
 
+    @property
+    def epoch_finished(self) -> bool:
+        """Whether the current epoch was started and has no full batch left (a resume
+        right at its end)."""
+        return self.sampler.consumed > 0 and len(self) == 0
+
     def __iter__(self):  # type: ignore[no-untyped-def]
         order = self.sampler.order(self.sampler.epoch)
         start = self.sampler.consumed

@@ -157,9 +157,7 @@ class ElasticSession:
         """
         first = 0
         if self._sampler is not None:
-            first = self._sampler.epoch
-            if len(self._sampler) == 0 and self._sampler.sampler.consumed > 0:
-                first += 1
+            first = self._sampler.epoch + (1 if self._sampler.epoch_finished else 0)
         for epoch in range(first, count):
             if self.stopped_at is not None:
                 return
