@@ -12,11 +12,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from elastic_train import __version__
 from elastic_train.errors import ElasticTrainError
 from elastic_train.process_exit import exit_process
+
+if TYPE_CHECKING:
+    from elastic_train.checkpoint.storage import CheckpointStore
 
 USAGE = """usage: elastic-train <command> [options]
 
@@ -34,10 +37,14 @@ commands:
 """
 
 
-def _checkpoint_rows(run_dir: Path) -> list[dict[str, Any]]:
+def _checkpoint_store(run_dir: Path) -> CheckpointStore:
     from elastic_train.checkpoint.storage import CheckpointStore
 
-    store = CheckpointStore(run_dir / "checkpoints")
+    _check_run_dir(run_dir)
+    return CheckpointStore(run_dir / "checkpoints")
+
+
+def _checkpoint_rows(store: CheckpointStore) -> list[dict[str, Any]]:
     rows = []
     for info in store.list():
         verdict = store.verify(info)
@@ -70,11 +77,9 @@ def _check_run_dir(run_dir: Path) -> None:
 
 
 def checkpoints_list(run_dir: Path, as_json: bool) -> int:
-    from elastic_train.checkpoint.storage import CheckpointStore
-
-    _check_run_dir(run_dir)
-    rows = _checkpoint_rows(run_dir)
-    leftovers = [str(p) for p in CheckpointStore(run_dir / "checkpoints").leftovers()]
+    store = _checkpoint_store(run_dir)
+    rows = _checkpoint_rows(store)
+    leftovers = [str(p) for p in store.leftovers()]
     if as_json:
         print(json.dumps({"run_dir": str(run_dir), "checkpoints": rows,
                           "leftovers": leftovers}, indent=2))
@@ -98,8 +103,7 @@ def checkpoints_list(run_dir: Path, as_json: bool) -> int:
 
 
 def checkpoints_verify(run_dir: Path) -> int:
-    _check_run_dir(run_dir)
-    rows = _checkpoint_rows(run_dir)
+    rows = _checkpoint_rows(_checkpoint_store(run_dir))
     bad = [r for r in rows if not r["valid"]]
     for r in rows:
         state = "ok" if r["valid"] else f"CORRUPT: {r['problem']}"

@@ -268,6 +268,7 @@ def main(argv: Sequence[str]) -> int:
 
 def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[str],
                     config: JobConfig) -> int:
+    """The rendezvous and pre-flight checks, then the launch; the exit code."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -16,6 +16,8 @@ import threading
 import time
 from types import FrameType
 
+from elastic_train.errors import NodeStoppedError
+
 log = logging.getLogger(__name__)
 
 
@@ -33,6 +35,13 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.received_at is not None
+
+    def event_fields(self) -> dict[str, object]:
+        """This rank's view of the stop, for the ``preempted`` event."""
+        waited = None if self.received_at is None else \
+            round(time.monotonic() - self.received_at, 6)
+        return {"signal": self.signal_name, "rank_signalled": self.requested,
+                "seconds_since_signal": waited}
 
     def install(self) -> StopRequest:
         """Install the handlers (main thread only)."""
@@ -61,3 +70,10 @@ class StopRequest:
                   "now without a new checkpoint (the last good one stays)", self.signal_name,
                   self.budget_seconds)
         os._exit(1)
+
+
+def node_stopped(stopped_nodes: list[int], step: int) -> NodeStoppedError:
+    """The error of a node that was not signalled but stopped with the signalled ones."""
+    return NodeStoppedError(
+        f"node(s) {stopped_nodes} stopped at step {step} (preempted); this node "
+        "checkpointed with them and restarts to go on without them")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,9 @@ from elastic_train.checkpoint.manager import CheckpointManager, Stateful
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
 from elastic_train.env import WorkerEnv, read_worker_env
-from elastic_train.errors import ConfigError, NodeStoppedError
+from elastic_train.errors import ConfigError
 from elastic_train.events import EVENTS_FILE, EventLog
-from elastic_train.preemption import StopRequest
+from elastic_train.preemption import StopRequest, node_stopped
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.sampler import ElasticBatchSampler
 from elastic_train.seeding import derive_seed
@@ -194,12 +193,14 @@ class ElasticSession:
         """Whether any rank got SIGTERM: [any, node 0, node 1, ...] summed over the world."""
         if self._stop is None:
             return False
+        if self.world_size == 1:  # nothing to agree on: no tensor, no device sync
+            self._stopped_nodes = [self.env.group_rank] if self._stop.requested else []
+            return self._stop.requested
         votes = torch.zeros(1 + self.env.group_world_size, dtype=torch.float64,
                             device=self.device)
         if self._stop.requested:
             votes[0] = votes[1 + self.env.group_rank] = 1.0
-        if self.world_size > 1:
-            dist.all_reduce(votes)
+        dist.all_reduce(votes)
         anyone, *by_node = votes.tolist()
         self._stopped_nodes = [node for node, v in enumerate(by_node) if v > 0]
         return anyone > 0
@@ -207,10 +208,7 @@ class ElasticSession:
     def _stop_here(self) -> None:
         assert self._stop is not None
         self.stopped_at = self.step_count
-        waited = None if self._stop.received_at is None else \
-            round(time.monotonic() - self._stop.received_at, 6)
-        self.events.emit("preempted", step=self.step_count, signal=self._stop.signal_name,
-                         rank_signalled=self._stop.requested, seconds_since_signal=waited)
+        self.events.emit("preempted", step=self.step_count, **self._stop.event_fields())
         self.checkpoints.save(self.step_count, self._objects, reason="preemption", wait=True)
         self.checkpoints.finish()
         distributed.barrier(self.group)
@@ -234,9 +232,7 @@ class ElasticSession:
             self.events.emit("end", step=self.step_count, run_id=self.env.run_id)
         self._leave()
         if self.stopped_at is not None and self.env.group_rank not in self._stopped_nodes:
-            raise NodeStoppedError(
-                f"node(s) {self._stopped_nodes} stopped at step {self.stopped_at} (preempted); "
-                "this node checkpointed with them and restarts to go on without them")
+            raise node_stopped(self._stopped_nodes, self.stopped_at)
 
     def _leave(self) -> None:
         if self._stop is not None:

@@ -33,7 +33,7 @@ from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
-from elastic_train.errors import ConfigError, NodeStoppedError
+from elastic_train.errors import ConfigError
 from elastic_train.events import (
     EVENTS_FILE,
     EventLog,
@@ -42,7 +42,7 @@ from elastic_train.events import (
     previous_incarnation,
     read_events,
 )
-from elastic_train.preemption import StopRequest
+from elastic_train.preemption import StopRequest, node_stopped
 from elastic_train.progress import Progress
 from elastic_train.sampler import ResumableSampler
 from elastic_train.seeding import derive_seed
@@ -286,9 +286,7 @@ class Trainer:
             self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
         summary = self._finish()
         if stop and self.env.group_rank not in self.stopped_nodes:
-            raise NodeStoppedError(
-                f"node(s) {self.stopped_nodes} stopped at step {self.state.step} (preempted); "
-                f"this node checkpointed with them and restarts to go on without them")
+            raise node_stopped(self.stopped_nodes, self.state.step)
         return summary
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
@@ -309,10 +307,7 @@ class Trainer:
         return StepWatchdog(store, self.group.rank, self.group.world_size, timeout, report)
 
     def _preempted(self) -> None:
-        waited = None if self.stop.received_at is None else \
-            round(time.monotonic() - self.stop.received_at, 6)
-        self.events.emit("preempted", step=self.state.step, signal=self.stop.signal_name,
-                         rank_signalled=self.stop.requested, seconds_since_signal=waited)
+        self.events.emit("preempted", step=self.state.step, **self.stop.event_fields())
         if self.group.rank == 0:
             self._print(f"stop requested (preemption): stopping at step {self.state.step} with a "
                         "checkpoint; rerun the same command to resume")

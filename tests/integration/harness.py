@@ -342,12 +342,13 @@ def elastic_run(run_dir: Path, args: Sequence[str], env: dict[str, str] | None =
     return start(argv, run_dir, env)
 
 
-def uninterrupted_digest(run_dir: Path, job_args: Sequence[str], timeout: float) -> str:
-    """The final weights' digest of ``job_args`` trained by plain torchrun without any
-    interruption: the reference that a disturbed run must end with."""
-    job = torchrun(run_dir, job_args, max_restarts=0)
+def uninterrupted_digests(run_dir: Path, job_args: Sequence[str],
+                          timeout: float = 300) -> dict[int, str]:
+    """{step: model digest} of every checkpoint of ``job_args`` trained by
+    ``elastic-train run`` without interruption (keep them all to have every step)."""
+    job = elastic_run(run_dir, [*job_args, "--max-restarts", "0"])
     assert job.wait(timeout) == 0, job.report()
-    return final_digest(run_dir)
+    return {r["step"]: r["model_digest"] for r in checkpoint_listing(run_dir)}
 
 
 def checkpoint_listing(run_dir: Path) -> list[dict[str, Any]]:

@@ -33,9 +33,7 @@ def ref(tmp_path: Path, request: pytest.FixtureRequest) -> dict[int, str]:
     runs more steps)."""
     if STEPS == TINY_DROPOUT_STEPS:
         return request.getfixturevalue("tiny_dropout_reference")
-    reference = harness.elastic_run(tmp_path / "reference", [*JOB, "--max-restarts", "0"])
-    assert reference.wait(300) == 0, reference.report()
-    return {r["step"]: r["model_digest"] for r in harness.checkpoint_listing(reference.run_dir)}
+    return harness.uninterrupted_digests(tmp_path / "reference", JOB)
 
 
 def test_random_kills_never_change_the_result(tmp_path: Path, ref: dict[int, str]) -> None:
