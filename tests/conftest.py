@@ -1,12 +1,32 @@
-"""Shared fixtures: real etcd servers, started once per session when a test asks for one."""
+"""Shared fixtures: real etcd servers, started once per session when a test asks for one;
+and the guard that keeps tests from finding the venv's programs on PATH (tests/tools.py)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests import tools
 from tests.etcd_server import EtcdServer
+
+_SHADOW_DIR: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Put failing stand-ins for the venv's programs first on PATH for the whole run."""
+    global _SHADOW_DIR
+    _SHADOW_DIR = Path(tempfile.mkdtemp(prefix="elastic-train-shadow-"))
+    os.environ["PATH"] = tools.shadow_installed_tools(_SHADOW_DIR)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SHADOW_DIR is not None:
+        shutil.rmtree(_SHADOW_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

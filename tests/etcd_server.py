@@ -10,7 +10,6 @@ except under ``CI=true`` where it fails: CI must run them.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -22,25 +21,15 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from tests import tools
 
 START_TIMEOUT = 20.0
 
 
-def require(tool: str, message: str) -> str:
-    """The path of ``tool``, or skip the test — fail it under CI=true, where all must run."""
-    found = shutil.which(tool)
-    if found:
-        return found
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 def etcd_binary() -> str:
-    """The etcd executable (see ``require``)."""
-    return require("etcd", "etcd is not installed: run scripts/install-test-deps.sh (apt: "
-                           "etcd-server) or put etcd >= 3.4 on PATH")
+    """The etcd executable (see ``tests.tools.system_tool``)."""
+    return tools.system_tool("etcd", "etcd is not installed: run scripts/install-test-deps.sh "
+                                     "(apt: etcd-server) or put etcd >= 3.4 on PATH")
 
 
 def _die_with_parent() -> None:
@@ -71,7 +60,7 @@ class TlsFiles:
 
     @classmethod
     def create(cls, directory: Path) -> TlsFiles:
-        openssl = require("openssl", "openssl is needed to make the test certificates")
+        openssl = tools.system_tool("openssl", "openssl is needed to make the test certificates")
         d = directory
         ext = d / "san.cnf"
         ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"

@@ -12,12 +12,13 @@ render the same objects.
 from __future__ import annotations
 
 import copy
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests import tools
 
 Doc = dict[str, Any]
 SUPPORTED = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
@@ -55,9 +56,9 @@ def render(directory: Path) -> list[Doc]:
 
 def real_tool() -> list[str] | None:
     """The command of an installed kustomize (kubectl's built-in one first), if any."""
-    if shutil.which("kubectl"):
+    if tools.system_tool_available("kubectl"):
         return ["kubectl", "kustomize"]
-    if shutil.which("kustomize"):
+    if tools.system_tool_available("kustomize"):
         return ["kustomize", "build"]
     return None
 

@@ -8,7 +8,6 @@ skipped, except under CI=true, where it fails (scripts/install-test-deps.sh inst
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -20,26 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
+from tests import tools
 from tests.integration import harness
 
 DEPLOY = harness.REPO / "deploy" / "prometheus"
 
 
 def available(name: str) -> bool:
-    return shutil.which(name) is not None
+    return tools.system_tool_available(name)
 
 
 def tool(name: str) -> str:
     """The path of ``name`` (prometheus, promtool); skip, or fail under CI, when missing."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed: run scripts/install-test-deps.sh"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+    return tools.system_tool(name, f"{name} is not installed: run scripts/install-test-deps.sh")
 
 
 def render_config(workdir: Path, targets: Sequence[str], interval: str) -> Path:

@@ -10,7 +10,6 @@ import copy
 import functools
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import yaml
 from elastic_train.config import parse_job_args
 from elastic_train.launch import launcher_parser, parse_rdzv_conf, torchrun_argv
 from elastic_train.rendezvous.options import EtcdV3Options
-from tests import k8s_model, kustomize
+from tests import k8s_model, kustomize, tools
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
@@ -310,11 +309,7 @@ DOCKERFILE = REPO / "deploy" / "Dockerfile"
 
 
 def test_the_dockerfile_passes_hadolint() -> None:
-    hadolint = shutil.which("hadolint")
-    if hadolint is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("hadolint is not installed: pip install -e '.[dev]'")
-        pytest.skip("hadolint is not installed (pip install -e '.[dev]'): lint not run")
+    hadolint = tools.installed_tool("hadolint")
     done = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
