@@ -85,6 +85,10 @@ class CheckpointManager:
         self.failed: CheckpointWriteError | None = None
         """The newest failed periodic write (rank 0); the ``stop`` policy acts on it."""
         self.last_saved_step: int | None = None
+        self.waits = 0
+        """Saves that waited for the previous persist (said once, counted at ``finish``)."""
+        self.waited_seconds = 0.0
+        self._waits_told = 0
         self._last_save_time = time.monotonic()
         self._buffers = SnapshotBuffers()
         self._persister = BackgroundPersister()
@@ -278,9 +282,13 @@ class CheckpointManager:
         waited = time.monotonic() - started if busy else 0.0
         self._copies_in_flight = None  # done: the persist waited for them
         if report_wait and busy and waited > 0.001:
-            log.warning("checkpoint save waited %.3fs for the previous persist (step %s) to "
-                        "finish: checkpoints are due faster than the disk writes them",
-                        waited, result.step if result else "?")
+            self.waits += 1
+            self.waited_seconds += waited
+            if self.waits == 1:
+                log.warning("checkpoint save waited %.3fs for the previous persist (step %s) "
+                            "to finish: checkpoints are due faster than the disk writes them "
+                            "(said once; the run's count comes at its end)",
+                            waited, result.step if result else "?")
             self.events.emit("checkpoint_waited", seconds=round(waited, 6),
                              step=result.step if result else None)
         if result is not None and result.error is not None and \
@@ -290,9 +298,15 @@ class CheckpointManager:
         return waited
 
     def finish(self) -> None:
-        """Wait for the persist in flight (shutdown)."""
-        if self.group.rank == 0:
-            self._finish_pending(report_wait=False)
+        """Wait for the persist in flight (shutdown); say how often saves waited."""
+        if self.group.rank != 0:
+            return
+        self._finish_pending(report_wait=False)
+        if self.waits > 1 and self.waits != self._waits_told:
+            self._waits_told = self.waits
+            log.warning("%d checkpoint saves waited for the previous persist (%.3fs in all): "
+                        "checkpoint less often (checkpoint_every, --checkpoint-every) or to a "
+                        "faster disk", self.waits, self.waited_seconds)
 
     def persist(self, step: int, snapshot: Mapping[str, Any]) -> CheckpointInfo:
         """Write a snapshot atomically, then apply retention (raises CheckpointWriteError)."""

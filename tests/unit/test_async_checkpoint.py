@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,42 @@ def test_a_snapshot_waits_only_while_the_previous_persist_runs(tmp_path: Path) -
     manager.save(3, {"model": model})                   # nothing in flight: no wait
     manager.finish()
     assert len(events(events_path, "checkpoint_waited")) == 1
+
+
+def test_waits_are_said_once_and_counted_at_the_end(tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    class StepGatedStore(CheckpointStore):
+        """Each step's write waits for its own gate."""
+
+        gates = {step: threading.Event() for step in (1, 2, 3, 4)}
+
+        def write(self, step: int, payload: Any, meta: Any, **kw: Any):  # type: ignore[override]
+            assert self.gates[step].wait(timeout=30), "test gate never opened"
+            return super().write(step, payload, meta, **kw)
+
+    store = StepGatedStore(tmp_path / "checkpoints")
+    events_path = tmp_path / "events.jsonl"
+    manager = CheckpointManager(store, GROUP, CheckpointConfig(every_steps=1, keep=5),
+                                EventLog(events_path))
+    model = torch.nn.Linear(4, 4)
+    caplog.set_level("WARNING", logger="elastic_train.checkpoint.manager")
+    manager.save(1, {"model": model})
+    for step in (2, 3, 4):
+        threading.Timer(0.05, store.gates[step - 1].set).start()
+        manager.save(step, {"model": model})           # waits for the previous persist
+    store.gates[4].set()
+    manager.finish()
+    manager.finish()                                    # shutdown paths may call it twice
+    assert len(events(events_path, "checkpoint_waited")) == 3   # the metrics see each one
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("checkpoint save waited ")
+    assert lines[0].endswith("s for the previous persist (step 1) to finish: checkpoints are "
+                             "due faster than the disk writes them (said once; the run's "
+                             "count comes at its end)")
+    assert re.fullmatch(r"3 checkpoint saves waited for the previous persist \(\d+\.\d{3}s in "
+                        r"all\): checkpoint less often \(checkpoint_every, --checkpoint-every\) "
+                        r"or to a faster disk", lines[1]), lines[1]
 
 
 def test_a_failed_background_write_is_reported_and_keeps_the_last_good(tmp_path: Path) -> None:
