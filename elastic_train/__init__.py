@@ -12,6 +12,7 @@ from elastic_train.errors import (
     DistributedError,
     ElasticTrainError,
     MetricsError,
+    NodeStoppedError,
     ReportError,
     TaskError,
     UnsafeCheckpointError,
@@ -21,11 +22,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # Task and TaskContext import torch; the launcher imports this package before torch.
+    # These import torch; the launcher imports this package before torch (worker_start.py).
     if name in ("Task", "TaskContext"):
         from elastic_train.tasks import base
 
         return getattr(base, name)
+    if name == "ElasticSession":
+        from elastic_train.session import ElasticSession
+
+        return ElasticSession
     raise AttributeError(f"module 'elastic_train' has no attribute {name!r}")
 
 __all__ = [
@@ -34,8 +39,10 @@ __all__ = [
     "CheckpointMismatchError",
     "ConfigError",
     "DistributedError",
+    "ElasticSession",
     "ElasticTrainError",
     "MetricsError",
+    "NodeStoppedError",
     "ReportError",
     "Task",
     "TaskContext",

@@ -45,3 +45,23 @@ def plan_batch(policy: str, batch_size: int, world_size: int,
                           f"world size {world_size}: every rank needs at least one sample; "
                           "raise --batch-size")
     return BatchPlan(policy, global_batch, lr_scale, world_size, reference_world_size)
+
+
+def global_batch(batch_size: int | None, global_batch_size: int | None,
+                 world_size: int) -> int:
+    """The samples of one step over all ranks, from a per-rank or a global size (one of
+    them), for hand-written loops (session.py)."""
+    if (batch_size is None) == (global_batch_size is None):
+        raise ConfigError("give batch_size (per rank) or global_batch_size (over all ranks), "
+                          "one of them")
+    name, value = (("batch_size", batch_size) if batch_size is not None
+                   else ("global_batch_size", global_batch_size))
+    assert value is not None
+    if value <= 0:
+        raise ConfigError(f"{name} {value} is invalid: it must be a positive number of samples")
+    if batch_size is not None:
+        return batch_size * world_size
+    if value < world_size:
+        raise ConfigError(f"global_batch_size {value} is smaller than the world size "
+                          f"{world_size}: every rank needs at least one sample")
+    return value

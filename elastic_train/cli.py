@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -29,6 +30,10 @@ commands:
   checkpoints list RUN_DIR [--json]      every checkpoint: step, world size, time, size,
                                          valid or not, and the model weights' sha256
   checkpoints verify RUN_DIR             exit 1 if any checkpoint is corrupt
+  checkpoints export RUN_DIR OUT [--step N]
+                                         write the model weights of the newest valid
+                                         checkpoint (or step N) to OUT: .safetensors, or
+                                         .pt/.pth/.bin for torch.load(weights_only=True)
   report RUN_DIR [--output PNG]          draw the run from its event log (loss, throughput,
                                          world size; failures, restarts, resizes and
                                          checkpoints marked) into RUN_DIR/report.png, and
@@ -116,6 +121,15 @@ def checkpoints_verify(run_dir: Path) -> int:
     return 0
 
 
+def checkpoints_export(run_dir: Path, out: Path, step: int | None) -> int:
+    from elastic_train.checkpoint.export import export_checkpoint
+
+    result = export_checkpoint(_checkpoint_store(run_dir), out, step)
+    print(f"exported step {result.step} of {run_dir} ({result.tensors} tensors, "
+          f"{_human_bytes(result.bytes)}, model sha256 {result.model_digest}) to {out}")
+    return 0
+
+
 def _checkpoints(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="elastic-train checkpoints", allow_abbrev=False)
     sub = parser.add_subparsers(dest="action", required=True)
@@ -124,9 +138,18 @@ def _checkpoints(argv: Sequence[str]) -> int:
     p_list.add_argument("--json", action="store_true")
     p_verify = sub.add_parser("verify", help="exit 1 if any checkpoint is corrupt")
     p_verify.add_argument("run_dir", type=Path)
+    p_export = sub.add_parser(
+        "export", help="write a checkpoint's model weights to a .safetensors or .pt file")
+    p_export.add_argument("run_dir", type=Path)
+    p_export.add_argument("out", type=Path,
+                          help="the file to write: .safetensors, or .pt, .pth, .bin (torch)")
+    p_export.add_argument("--step", type=int, default=None, metavar="N",
+                          help="the checkpoint of step N (default: the newest valid one)")
     ns = parser.parse_args(list(argv))
     if ns.action == "list":
         return checkpoints_list(ns.run_dir, ns.json)
+    if ns.action == "export":
+        return checkpoints_export(ns.run_dir, ns.out, ns.step)
     return checkpoints_verify(ns.run_dir)
 
 
@@ -179,6 +202,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+# Exit status of a command whose reader closed stdout early (``... | head -3``): 141, what a
+# shell reports for a program killed by SIGPIPE (128 + 13), as for cat, seq or grep there.
+# Not 0: the output was not all delivered (`verify | head` must not pass for a success), and
+# scripts under `set -o pipefail` already treat 141 from a pipeline's writer as they do for
+# those tools.
+BROKEN_PIPE_EXIT = 141
+
+
 def console() -> NoReturn:
-    """The ``elastic-train`` console script."""
-    exit_process(main())
+    """The ``elastic-train`` console script.
+
+    Python ignores SIGPIPE, so a closed stdout raises BrokenPipeError (while printing or at
+    the final flush): end quietly then, as Python's docs on SIGPIPE recommend, with stdout
+    pointed at /dev/null so that the interpreter's own flush at exit does not raise again.
+    """
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        code = BROKEN_PIPE_EXIT
+    exit_process(code)

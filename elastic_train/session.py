@@ -28,13 +28,15 @@ import sys
 import threading
 from collections.abc import Iterator, Sized
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from elastic_train import distributed
+from elastic_train.batching import global_batch
+from elastic_train.checkpoint.export import check_weights_file, write_weights
 from elastic_train.checkpoint.manager import CheckpointManager, Stateful
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
@@ -111,26 +113,34 @@ class ElasticSession:
         """Optimizer steps done so far (restored ones included)."""
         return self._counter.step
 
-    def sampler(self, dataset: Sized, batch_size: int) -> ElasticBatchSampler:
-        """A DataLoader ``batch_sampler`` giving this rank ``batch_size`` samples per step.
+    def sampler(self, dataset: Sized, batch_size: int | None = None, *,
+                global_batch_size: int | None = None) -> ElasticBatchSampler:
+        """A DataLoader ``batch_sampler`` over this rank's share of each step's batch.
 
-        Prefer ``dataloader()``. A DataLoader you build yourself must get its own
-        ``generator=``: otherwise it draws from torch's global generator whenever an epoch
-        starts, and a resumed run's dropout randomness shifts.
+        Give exactly one size (see ``dataloader()``). Prefer ``dataloader()``: a DataLoader
+        you build yourself must get its own ``generator=``, otherwise it draws from torch's
+        global generator whenever an epoch starts, and a resumed run's dropout shifts.
         """
-        self._sampler = ElasticBatchSampler(len(dataset), batch_size * self.world_size,
-                                            self.rank, self.world_size, self.seed)
+        total = global_batch(batch_size, global_batch_size, self.world_size)
+        self._sampler = ElasticBatchSampler(len(dataset), total, self.rank, self.world_size,
+                                            self.seed)
         return self._sampler
 
-    def dataloader(self, dataset: Sized, batch_size: int, **kwargs: Any) -> DataLoader:
+    def dataloader(self, dataset: Sized, batch_size: int | None = None, *,
+                   global_batch_size: int | None = None, **kwargs: Any) -> DataLoader:
         """A DataLoader over this rank's share of each step's batch, resumable mid-epoch.
 
+        ``batch_size`` is **per rank**, PyTorch's convention: a step trains on
+        ``batch_size * world_size`` samples, so the optimisation changes with the world
+        size. ``global_batch_size`` is the step's batch over **all** ranks, like the built-in
+        job's ``--batch-size``: the optimisation does not depend on the world size (a world
+        size that does not divide it gives some ranks one sample more). Give one of them.
         ``kwargs`` go to ``DataLoader`` (``num_workers``, ``collate_fn``, ...). Randomness
         inside the dataset should derive from the sample index to stay exact on resume.
         """
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "dataloader"))
-        return DataLoader(dataset, batch_sampler=self.sampler(dataset, batch_size),
-                          generator=generator, **kwargs)
+        sampler = self.sampler(dataset, batch_size, global_batch_size=global_batch_size)
+        return DataLoader(dataset, batch_sampler=sampler, generator=generator, **kwargs)
 
     def restore(self, **objects: Stateful) -> int:
         """Register what to checkpoint (``model=`` is required) and load the newest checkpoint.
@@ -154,15 +164,70 @@ class ElasticSession:
         A resume right at the end of an epoch starts with the next one (not with an empty
         epoch). Ends early after a stop (``step()`` returned True).
         """
-        first = 0
-        if self._sampler is not None:
-            first = self._sampler.epoch + (1 if self._sampler.epoch_finished else 0)
+        first = self._first_epoch()
+        if first >= count and self.step_count > 0:
+            self._say_finished(f"epoch {first} of {count}", "the epoch count")
         for epoch in range(first, count):
             if self.stopped_at is not None:
                 return
             if self._sampler is not None:
                 self._sampler.set_epoch(epoch)
             yield epoch
+
+    @overload
+    def steps(self, total: int) -> Iterator[int]: ...
+
+    @overload
+    def steps(self, total: int, loader: DataLoader) -> Iterator[tuple[int, Any]]: ...
+
+    def steps(self, total: int, loader: DataLoader | None = None) -> Iterator[Any]:
+        """A step loop: ``for step in session.steps(total):`` runs steps ``step_count`` (the
+        resumed one, 0 on a fresh run) to ``total - 1``, so a resumed run does not train
+        ``total`` more steps. Call ``step()`` once in each; ends early after a stop.
+
+        With ``loader`` (a ``dataloader()`` of this session) it yields ``(step, batch)`` and
+        goes from epoch to epoch as the data runs out, resuming mid-epoch.
+        """
+        if self.step_count >= total:
+            if self.step_count > 0:
+                self._say_finished(f"step {self.step_count} of {total}", "the total steps")
+            return
+        if loader is None:
+            while self.step_count < total and self.stopped_at is None:
+                before = self.step_count
+                yield before
+                self._check_stepped(before)
+            return
+        if self._sampler is None or loader.batch_sampler is not self._sampler:
+            raise ConfigError("steps(total, loader): the loader must be this session's "
+                              "dataloader(...), whose position the checkpoints keep")
+        epoch = self._first_epoch()
+        while self.step_count < total and self.stopped_at is None:
+            self._sampler.set_epoch(epoch)
+            for batch in loader:
+                if self.step_count >= total or self.stopped_at is not None:
+                    return
+                before = self.step_count
+                yield before, batch
+                self._check_stepped(before)
+            epoch += 1
+
+    def _check_stepped(self, before: int) -> None:
+        if self.step_count == before and self.stopped_at is None:
+            raise ConfigError(f"step {before} ended without session.step(): call it once "
+                              "per step of a steps() loop, after optimizer.step()")
+
+    def _first_epoch(self) -> int:
+        if self._sampler is None:
+            return 0
+        return self._sampler.epoch + (1 if self._sampler.epoch_finished else 0)
+
+    def _say_finished(self, where: str, what: str) -> None:
+        """A rerun of a finished run directory trains nothing: say so, and what to do."""
+        if self.rank == 0:
+            print(f"elastic_train: {self.run_dir} is finished: its newest checkpoint is at "
+                  f"{where}; nothing to train (raise {what} to train on, or use a new run "
+                  "directory to start afresh)", file=sys.stderr, flush=True)
 
     def step(self, loss: float | torch.Tensor | None = None) -> bool:
         """Call after each optimizer step: counts it, advances the sampler, checkpoints.
@@ -217,17 +282,25 @@ class ElasticSession:
                   f"{self.step_count} with a checkpoint; rerun the same command to resume",
                   file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, export: str | Path | None = None) -> None:
         """Write the final checkpoint, wait for every rank, and leave the process group.
 
+        ``export``: a file that rank 0 writes the final model weights to, a plain state
+        dict (``.pt``, ``.pth``, ``.bin``: ``torch.save``; ``.safetensors``), where a
+        tutorial's final ``torch.save(model.state_dict(), ...)`` put them.
+
         After a stop (``step()`` returned True) the checkpoint is written already and the
-        run is not over: no final checkpoint, no ``end`` event. A node that was not
-        signalled then raises ``NodeStoppedError`` (see the module docstring).
+        run is not over: no final checkpoint, no export, no ``end`` event. A node that was
+        not signalled then raises ``NodeStoppedError`` (see the module docstring).
         """
+        if export is not None:
+            check_weights_file(Path(export))
         if self.stopped_at is None:
             if self._objects:
                 self.checkpoints.save(self.step_count, self._objects, reason="final", wait=True)
                 self.checkpoints.finish()
+                if export is not None and self.rank == 0:
+                    write_weights(self._objects["model"].state_dict(), Path(export))
             distributed.barrier(self.group)
             self.events.emit("end", step=self.step_count, run_id=self.env.run_id)
         self._leave()

@@ -378,6 +378,11 @@ class Trainer:
         self._print(f"resumed from {restored.path} (step {restored.step}, saved at world size "
                     f"{restored.world_size}, now {self.group.world_size}; "
                     f"restart {self.env.restart_count})")
+        if restored.step >= self.config.train.steps:
+            self._print(f"{self.config.run_dir} is finished: its newest checkpoint is at step "
+                        f"{restored.step} of --steps {self.config.train.steps}; nothing to "
+                        "train (raise --steps to train on, or use a new --run-dir to start "
+                        "afresh)")
 
     def _finish(self) -> RunSummary | None:
         if self._samples_file is not None:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
-from elastic_train.session import ElasticSession
+from elastic_train import ElasticSession
 
 RUN_DIR = sys.argv[1] if len(sys.argv) > 1 else "runs/tutorial-elastic"
 EPOCHS = 4

@@ -64,3 +64,18 @@ def test_a_terminal_gets_one_live_line(tmp_path: Path) -> None:
     assert lines[0].startswith("starting gpt from scratch")
     assert "run local: 40/40 steps" in lines
     assert not [line for line in lines if re.match(r"step \d+/40 ", line)]  # no plain lines
+
+
+def test_a_finished_run_directory_says_so(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "elastic_train.train", "--run-dir", str(tmp_path / "run"),
+            "--preset", "tiny", "--steps", "4", "--checkpoint-every", "2", "--metrics-port", "0"]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                           env=harness.job_env())
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "is finished" not in first.stdout
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                           env=harness.job_env())
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (f"{tmp_path / 'run'} is finished: its newest checkpoint is at step 4 of --steps 4; "
+            "nothing to train (raise --steps to train on, or use a new --run-dir to start "
+            "afresh)") in again.stdout.splitlines()

@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 
 from elastic_train import cli
+from elastic_train.checkpoint.storage import model_digest
 from elastic_train.events import EVENTS_FILE, read_events
 from tests.integration import harness, prom
 
@@ -213,3 +215,71 @@ def test_handwritten_loop_stops_on_sigterm_and_the_rerun_loses_no_step(
               if e["event"] == "checkpoint_loaded"]
     assert loaded == [stopped]                                  # no step lost
     assert harness.digest_at(run_dir, 128) == tutorial_reference
+
+
+def step_loop_command(run_dir: str) -> list[str]:
+    command = next(c for c in readme_commands() if "step_loop_elastic.py" in c)
+    argv = shlex.split(command)
+    assert argv[0] == "torchrun" and argv[-1] == "runs/steps"
+    return [sys.executable, "-m", "torch.distributed.run", *argv[1:-1], run_dir]
+
+
+@pytest.fixture(scope="module")
+def step_loop_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The model digest at the end (step 300) of the step-loop example, uninterrupted."""
+    work = tmp_path_factory.mktemp("step-loop-reference")
+    shutil.copytree(harness.REPO / "examples", work / "examples")
+    job = harness.start(step_loop_command("runs/reference"), work / "runs" / "reference",
+                        cwd=work)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    return harness.digest_at(work / "runs" / "reference", 300)
+
+
+def test_step_loop_resumes_exactly_and_exports_the_final_weights(
+        workdir: Path, step_loop_reference: str) -> None:
+    run_dir = workdir / "runs" / "steps"
+    job = harness.start(step_loop_command("runs/steps"), run_dir, cwd=workdir)
+    try:
+        # Steps take milliseconds: the kill lands a few steps after step 60, well before
+        # the end (300), after the checkpoint of step 50.
+        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 60, timeout=TIMEOUT)
+        job.kill_worker(1)
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    events = job.events()
+    loaded = [e["step"] for e in events if e["event"] == "checkpoint_loaded"]
+    assert len(loaded) == 1 and loaded[0] in (50, 100, 150, 200, 250), (loaded, job.report())
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    assert steps[-1] == 300 and steps.count(loaded[0] + 1) == 2  # resumed there, 300 in all
+    assert harness.digest_at(run_dir, 300) == step_loop_reference
+    weights = safetensors.torch.load_file(run_dir / "model.safetensors")
+    assert model_digest(weights) == step_loop_reference
+
+    again = harness.start(step_loop_command("runs/steps"), run_dir, cwd=workdir)
+    assert again.wait(TIMEOUT) == 0, again.report()
+    assert ("elastic_train: runs/steps is finished: its newest checkpoint is at step 300 of "
+            "300; nothing to train (raise the total steps to train on, or use a new run "
+            "directory to start afresh)") in again.output().splitlines()
+
+
+def test_sigterm_to_torchrun_stops_the_workers_cleanly_and_torchrun_exits_1(
+        workdir: Path) -> None:
+    """What the README says of a SIGTERM sent to plain torchrun (Kubernetes' way): the
+    workers checkpoint and exit 0, then torch's agent re-raises the signal (exit 1)."""
+    run_dir = workdir / "runs" / "steps"
+    job = harness.start(step_loop_command("runs/steps"), run_dir, cwd=workdir)
+    try:
+        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 60, timeout=TIMEOUT)
+        job.proc.send_signal(signal.SIGTERM)
+        assert job.wait(60) == 1, job.report()
+    finally:
+        job.stop()
+    out = job.output()
+    (preempted,) = [e for e in job.events() if e["event"] == "preempted"]
+    assert f"stop requested (preemption): stopped at step {preempted['step']} with a " \
+           "checkpoint" in out
+    assert "SignalException: Process" in out and "got signal: 15" in out
+    saved = [(e["step"], e["reason"]) for e in job.events() if e["event"] == "checkpoint_saved"]
+    assert saved[-1] == (preempted["step"], "preemption")
+    assert not (run_dir / "model.safetensors").exists()     # no export after a stop

@@ -1,5 +1,5 @@
 """ElasticSession in a world of one in this process: its stop on SIGTERM (a real signal),
-and a resume at the end of an epoch."""
+a resume at the end of an epoch, step loops, batch sizes and the export of the weights."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import signal
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from elastic_train.batching import global_batch
+from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
 from elastic_train.events import EVENTS_FILE, read_events
@@ -92,3 +95,154 @@ def test_a_resume_at_the_end_of_an_epoch_starts_the_next_one(tmp_path: Path) -> 
     for epoch in (1, 2):  # each epoch whole: every sample once
         assert sorted(i for e, batch in resumed if e == epoch for i in batch) == \
             [float(i) for i in range(8)]
+
+
+def run_steps(run_dir: Path, total: int, stop_after: int | None = None,
+              checkpoint_every: int = 3) -> list[int]:
+    """A step loop over ``session.steps(total)``; returns the steps it ran. With
+    ``stop_after`` the process "dies" (no close: the newest checkpoint is what stays)."""
+    model = nn.Linear(2, 1)
+    session = ElasticSession(run_dir, checkpoint_every=checkpoint_every, env=WorkerEnv())
+    ran = []
+    try:
+        session.restore(model=model)
+        for step in session.steps(total):
+            ran.append(step)
+            session.step()
+            if stop_after is not None and session.step_count == stop_after:
+                session.checkpoints.finish()
+                return ran
+        session.close()
+    finally:
+        session._leave()
+    return ran
+
+
+def test_a_step_loop_resumes_where_the_checkpoint_left_off(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    assert run_steps(tmp_path / "run", 10, stop_after=7) == list(range(7))
+    # The newest checkpoint is step 6: step 6 is redone, and the loop ends at 10, not 16.
+    assert run_steps(tmp_path / "run", 10) == [6, 7, 8, 9]
+    capsys.readouterr()
+    assert run_steps(tmp_path / "run", 10) == []
+    err = capsys.readouterr().err
+    assert err == (f"elastic_train: {tmp_path / 'run'} is finished: its newest checkpoint is "
+                   "at step 10 of 10; nothing to train (raise the total steps to train on, or "
+                   "use a new run directory to start afresh)\n")
+    assert run_steps(tmp_path / "run", 12) == [10, 11]   # more steps asked: trains on
+
+
+def test_a_step_without_session_step_is_refused(tmp_path: Path) -> None:
+    session = ElasticSession(tmp_path / "run", env=WorkerEnv())
+    try:
+        session.restore(model=nn.Linear(2, 1))
+        with pytest.raises(ConfigError, match=r"^step 0 ended without session.step\(\): call "
+                                              r"it once per step of a steps\(\) loop, after "
+                                              r"optimizer.step\(\)$"):
+            for _ in session.steps(5):
+                pass
+    finally:
+        session._leave()
+
+
+def test_a_step_loop_over_a_dataloader_crosses_epochs_and_resumes_mid_epoch(
+        tmp_path: Path) -> None:
+    """10 samples, 4 per step: two steps an epoch (2 left over); a checkpoint every 3 steps
+    falls mid-epoch (epoch 1, step 3)."""
+    dataset = TensorDataset(torch.arange(10.0).unsqueeze(1))
+
+    def loop(total: int, die_after: int | None = None) -> list[tuple[int, int, list[float]]]:
+        session = ElasticSession(tmp_path / "run", checkpoint_every=3, env=WorkerEnv())
+        seen = []
+        try:
+            loader = session.dataloader(dataset, global_batch_size=4)
+            session.restore(model=nn.Linear(1, 1))
+            for step, (x,) in session.steps(total, loader):
+                seen.append((step, session._sampler.epoch, sorted(x.flatten().tolist())))
+                session.step()
+                if session.step_count == die_after:
+                    session.checkpoints.finish()
+                    return seen
+            session.close()
+        finally:
+            session._leave()
+        return seen
+
+    first = loop(total=6, die_after=5)
+    assert [(s, e) for s, e, _ in first] == [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2)]
+    resumed = loop(total=6)
+    assert [(s, e) for s, e, _ in resumed] == [(3, 1), (4, 2), (5, 2)]
+    assert resumed[0][2] == first[3][2]                 # the same batch: step 3 is redone
+    for epoch in (0, 1):                                # 8 distinct samples of each epoch
+        used = [i for _, e, b in first[:3] + resumed if e == epoch for i in b]
+        assert len(used) == len(set(used)) == 8
+
+
+def test_steps_refuses_a_loader_of_its_own(tmp_path: Path) -> None:
+    session = ElasticSession(tmp_path / "run", env=WorkerEnv())
+    try:
+        session.restore(model=nn.Linear(1, 1))
+        loader = torch.utils.data.DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2)
+        with pytest.raises(ConfigError, match=r"^steps\(total, loader\): the loader must be "
+                                              r"this session's dataloader\(...\), whose "
+                                              "position the checkpoints keep$"):
+            next(session.steps(3, loader))
+    finally:
+        session._leave()
+
+
+@pytest.mark.parametrize(("per_rank", "global_", "message"), [
+    (None, None, "give batch_size (per rank) or global_batch_size (over all ranks), one of them"),
+    (8, 16, "give batch_size (per rank) or global_batch_size (over all ranks), one of them"),
+    (0, None, "batch_size 0 is invalid: it must be a positive number of samples"),
+    (None, 3, "global_batch_size 3 is smaller than the world size 4: every rank needs at "
+              "least one sample"),
+])
+def test_batch_size_is_per_rank_or_global_and_one_of_them(per_rank: int | None,
+                                                          global_: int | None,
+                                                          message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        global_batch(per_rank, global_, world_size=4)
+    assert str(caught.value) == message
+
+
+def test_batch_size_meanings() -> None:
+    assert global_batch(8, None, world_size=4) == 32     # per rank: PyTorch's convention
+    assert global_batch(None, 32, world_size=4) == 32    # global: the built-in job's meaning
+    assert global_batch(None, 30, world_size=4) == 30    # shares of 8, 8, 7, 7
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_close_exports_the_final_weights(tmp_path: Path, suffix: str) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = ElasticSession(tmp_path / "run", checkpoint_every=100, env=WorkerEnv())
+    session.restore(model=model, optimizer=optimizer)
+    for _ in session.steps(3):
+        model(torch.randn(5, 3)).sum().backward()
+        optimizer.step()
+        session.step()
+    out = tmp_path / "out" / f"model{suffix}"
+    session.close(export=out)
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    if suffix == ".safetensors":
+        fresh.load_state_dict(safetensors.torch.load_file(out), strict=True)
+    else:
+        fresh.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    assert model_digest(fresh.state_dict()) == model_digest(model.state_dict())
+    (final,) = CheckpointStore(tmp_path / "run" / "checkpoints").list()
+    assert (final.step, final.model_digest) == (3, model_digest(model.state_dict()))
+
+
+def test_close_refuses_an_unknown_export_suffix_before_anything(tmp_path: Path) -> None:
+    session = ElasticSession(tmp_path / "run", env=WorkerEnv())
+    session.restore(model=nn.Linear(1, 1))
+    try:
+        with pytest.raises(ConfigError) as caught:
+            session.close(export=tmp_path / "model.h5")
+        assert str(caught.value) == (f"cannot write model weights to {tmp_path / 'model.h5'}: "
+                                     "it has suffix '.h5'; use one of .safetensors, .pt, "
+                                     ".pth, .bin")
+        assert CheckpointStore(tmp_path / "run" / "checkpoints").list() == []
+    finally:
+        session._leave()
