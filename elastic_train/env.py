@@ -1,4 +1,9 @@
-"""The one reader of the process environment: what torchrun tells a worker about itself."""
+"""The workers' reader of the process environment: what torchrun tells a worker about itself.
+
+Also the names of the variables the agent sets for its workers (``RENDEZVOUS_SECONDS``,
+``WORKER_ENV_FILE``), defined once here, where they are read; the agent's side — torchrun's
+``PET_*`` defaults it reads and what it sets for the workers — is agent_env.py.
+"""
 
 from __future__ import annotations
 
@@ -51,9 +56,12 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
         raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
 
 
-# Set by ``elastic-train run`` in its agent's environment after each rendezvous, so the
-# workers it spawns next inherit how long their rendezvous took (see rendezvous/timing.py).
+# Set by the agent for its workers (agent_env.py). How long their rendezvous took, after each
+# one (rendezvous/timing.py, rendezvous/handler.py):
 RENDEZVOUS_SECONDS = "ELASTIC_TRAIN_RENDEZVOUS_SECONDS"
+# A JSON file of values the agent learned after a forked worker's environment was fixed,
+# read over the environment (``agent_env.set_for_workers`` writes it):
+WORKER_ENV_FILE = "ELASTIC_TRAIN_WORKER_ENV_FILE"
 
 
 def _seconds(environ: Mapping[str, str], key: str) -> float | None:
@@ -67,7 +75,7 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     """Read RANK, WORLD_SIZE, TORCHELASTIC_* and MASTER_* into a WorkerEnv."""
     env: Mapping[str, str] = os.environ if environ is None else environ
     if env.get(WORKER_ENV_FILE):
-        env = {**env, **_read_env_file(env[WORKER_ENV_FILE])}
+        env = {**env, **read_env_file(env[WORKER_ENV_FILE])}
     port = _int(env, "MASTER_PORT", 0)
     return WorkerEnv(
         rank=_int(env, "RANK", 0),
@@ -91,46 +99,11 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     )
 
 
-def launcher_environment_defaults() -> dict[str, str]:
-    """Environment the launcher sets for torch's agent before it starts (see launch.py).
-
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes every rendezvous round create a fresh
-    c10d store, so keys of a dead incarnation cannot mislead the next one (FIELD-NOTES).
-    """
-    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-WORKER_ENV_FILE = "ELASTIC_TRAIN_WORKER_ENV_FILE"
-
-
-def set_for_workers(key: str, value: str) -> None:
-    """Set a variable in this (agent) process for the workers it starts next.
-
-    Subprocess workers inherit the agent's environment. Workers forked from a forkserver
-    inherit the *server's*, fixed when it started; for them the value also goes into the
-    file named by ELASTIC_TRAIN_WORKER_ENV_FILE, which ``read_worker_env`` overlays.
-    """
-    os.environ[key] = value
-    path = os.environ.get(WORKER_ENV_FILE)
-    if path:
-        values = _read_env_file(path)
-        values[key] = value
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(values, f)
-        os.replace(tmp, path)
-
-
-def _read_env_file(path: str) -> dict[str, str]:
+def read_env_file(path: str) -> dict[str, str]:
+    """The variables in the file named by ``WORKER_ENV_FILE``; {} if it is missing or bad."""
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError):
         return {}
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-
-
-def apply_environment_defaults(defaults: Mapping[str, str]) -> None:
-    """Set each variable unless the user already set it."""
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)

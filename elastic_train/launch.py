@@ -3,8 +3,9 @@
 Launcher options are torchrun's (a subset with the same names); everything else is a job
 option for ``elastic_train.train``, checked here before any process starts so that bad input
 fails in a second with one line instead of after every restart is burnt. The rendezvous
-service is checked too (reachable, the API the backend needs), and the rendezvous timeouts
-get defaults for jobs that must not sit in torch's 30 s last call (``RDZV_DEFAULTS``).
+service is checked too (reachable, the API the backend needs), and the rendezvous options
+get their defaults (rendezvous/config.py). Option defaults come from torchrun's ``PET_*``
+variables (agent_env.py).
 
 torch is imported inside the functions that need it, not at the top: the workers' forkserver
 starts first, so that it imports torch while this process does (worker_start.py).
@@ -16,79 +17,27 @@ import argparse
 import logging
 import os
 import sys
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from elastic_train.agent_env import option_default
 from elastic_train.config import JobConfig, parse_job_args
 from elastic_train.env import read_worker_env
-from elastic_train.errors import ConfigError, ElasticTrainError
-from elastic_train.rendezvous.heartbeat import check_keep_alive
+from elastic_train.errors import ElasticTrainError
+from elastic_train.rendezvous.config import (
+    DEFAULT_BACKEND,
+    parse_rdzv_conf,
+    rdzv_conf_with_defaults,
+    rendezvous_endpoint,
+    rendezvous_id,
+)
+from elastic_train.rendezvous.failures import rendezvous_failure_line
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.worker_start import worker_processes, workers_released_on_close
 
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = "elastic_train.train"
-
-# --rdzv-conf defaults per backend; what the user gives wins. torch waits 30 s after the
-# minimum number of nodes joined for more (last call): a node started a few seconds after
-# the others joins the next round anyway (a restart that costs seconds, not a failure),
-# so 5 s. etcd-v3 has the same default built in (rendezvous/options.py). Heartbeats keep
-# torch's 5 s x 3 (a dead node is noticed after 15 s), which holds up at 64 nodes.
-RDZV_DEFAULTS: dict[str, dict[str, str]] = {
-    "c10d": {"last_call_timeout": "5"},
-    "etcd-v2": {"last_call_timeout": "5"},
-    "etcd": {"last_call_timeout": "5"},
-}
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """``KEY=VALUE,...`` as torchrun reads it."""
-    conf: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise ConfigError(f"--rdzv-conf item {item!r} is invalid: write KEY=VALUE,...")
-        conf[key.strip()] = value.strip()
-    return conf
-
-
-def rdzv_conf_with_defaults(backend: str, text: str) -> str:
-    """The --rdzv-conf to launch with: the user's, completed with ``RDZV_DEFAULTS``.
-
-    For torch's dynamic backends (c10d, etcd-v2) the heartbeat settings are checked like
-    etcd-v3's (rendezvous/options.py), which torch does not do.
-    """
-    conf = {**RDZV_DEFAULTS.get(backend, {}), **parse_rdzv_conf(text)}
-    if backend in ("c10d", "etcd-v2"):
-        try:  # torch's defaults: 5 s, 3 attempts
-            interval = int(conf.get("keep_alive_interval", 5))
-            attempts = int(conf.get("keep_alive_max_attempt", 3))
-        except ValueError:
-            raise ConfigError("--rdzv-conf keep_alive_interval and keep_alive_max_attempt "
-                              f"must be whole numbers for {backend}") from None
-        check_keep_alive(interval, attempts)
-    return ",".join(f"{key}={value}" for key, value in conf.items())
-
-
-# Launcher options that torchrun also reads from PET_<NAME> (torch.distributed.argparse_util).
-TORCHRUN_OPTIONS = frozenset({
-    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
-    "max_restarts", "monitor_interval", "node_rank", "local_addr", "log_dir", "redirects", "tee",
-    "master_addr", "shutdown_timeout",
-})
-
-
-def _pet(dest: str, default: str | None) -> str | None:
-    """The default of a launcher option: ``PET_<DEST>`` if set, as torchrun reads it.
-
-    The Kubeflow training operator passes elasticPolicy to torchrun this way
-    (PET_NNODES, PET_RDZV_BACKEND, ...), so ``elastic-train run`` in a pod sees the same
-    settings torchrun would. An option on the command line still wins.
-    """
-    return os.environ.get(f"PET_{dest.upper()}", default)
-
 
 def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
     """torchrun-style options understood by ``elastic-train run``; defaults from ``PET_*``."""
@@ -100,8 +49,9 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
     p.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (default 1)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", default="2",
                    help="workers per node (default 2)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d",
-                   help="c10d (default), etcd, etcd-v2, etcd-v3, or any registered backend")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default=DEFAULT_BACKEND,
+                   help=f"{DEFAULT_BACKEND} (default), etcd, etcd-v2, etcd-v3, or any "
+                        "registered backend")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
                    help="HOST:PORT of the rendezvous (default: a free port on 127.0.0.1 for one "
                         "node)")
@@ -126,25 +76,18 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
                         "once, so a restart skips the imports; subprocess: a fresh "
                         "'python -m elastic_train.train' each time, as torchrun does")
     for action in p._actions:
-        if action.dest in TORCHRUN_OPTIONS:
-            action.default = _pet(action.dest, action.default)
+        action.default = option_default(action.dest, action.default)
     return p
 
 
 def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
     """The torchrun command line equivalent to ``ns`` (without the program name)."""
-    single_node = ns.nnodes in ("1", "1:1")
-    endpoint = ns.rdzv_endpoint or ("127.0.0.1:0" if single_node else "")
-    if not endpoint:
-        raise ConfigError("--rdzv-endpoint is required with more than one node: give the "
-                          "HOST:PORT every node can reach")
-    if not ns.rdzv_id and not single_node:
-        raise ConfigError("--rdzv-id is required with more than one node: give every node the "
-                          "same job id")
+    endpoint = rendezvous_endpoint(ns.nnodes, ns.rdzv_endpoint)
+    run_id = rendezvous_id(ns.nnodes, ns.rdzv_id)
     argv = [
         f"--nnodes={ns.nnodes}", f"--nproc-per-node={ns.nproc_per_node}",
         f"--rdzv-backend={ns.rdzv_backend}", f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={ns.rdzv_id or uuid.uuid4().hex[:12]}",
+        f"--rdzv-id={run_id}",
         f"--max-restarts={ns.max_restarts}", f"--monitor-interval={ns.monitor_interval}",
         f"--node-rank={ns.node_rank}", f"--master-addr={ns.master_addr}",
         f"--redirects={ns.redirects}", f"--tee={ns.tee}",
@@ -189,23 +132,6 @@ def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
         check_single_process_mode(read_worker_env())
         if nproc_per_node.isdigit():
             check_ports_free(config.metrics.address, config.metrics.port, int(nproc_per_node))
-
-
-def rendezvous_failure_line(exc: BaseException, ns: argparse.Namespace) -> str | None:
-    """One actionable line for the rendezvous errors torch raises without a message."""
-    from torch.distributed.elastic.rendezvous.api import (
-        RendezvousClosedError,
-        RendezvousTimeoutError,
-    )
-
-    where = f"rendezvous {ns.rdzv_id!r} ({ns.rdzv_backend} at {ns.rdzv_endpoint})"
-    if isinstance(exc, RendezvousClosedError):
-        return (f"{where} is closed: a job with this --rdzv-id already finished; use a new "
-                "--rdzv-id")
-    if isinstance(exc, RendezvousTimeoutError):
-        return (f"{where} did not complete within its join_timeout: start the other nodes "
-                f"(--nnodes {ns.nnodes}) or lower the minimum")
-    return None
 
 
 def first_failure_line(exc: BaseException) -> str:
@@ -298,7 +224,8 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
               file=sys.stderr)
         return 1
     except Exception as exc:  # rendezvous errors, ports in use, ...: one line, not a traceback
-        line = rendezvous_failure_line(exc, ns)
+        line = rendezvous_failure_line(exc, backend=ns.rdzv_backend, endpoint=ns.rdzv_endpoint,
+                                       run_id=ns.rdzv_id, nnodes=ns.nnodes)
         print(f"elastic-train: error: {line or type(exc).__name__ + ': '}"
               f"{'' if line else first_failure_line(exc)}", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ instead of one after the other.
 A forked worker inherits the server's environment, fixed when the server started: what the
 workers need from the launcher's environment is set before it starts
 (``prepare_environment``); values the agent learns later reach them through the file named
-by ``WORKER_ENV_FILE`` (``env.set_for_workers``).
+by ``WORKER_ENV_FILE`` (``agent_env.set_for_workers``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import tempfile
 from collections.abc import Iterator
 from multiprocessing import forkserver
 
-from elastic_train.env import (
-    WORKER_ENV_FILE,
+from elastic_train.agent_env import (
     apply_environment_defaults,
     launcher_environment_defaults,
+    worker_env_file,
 )
 
 # Imported once by the forkserver; every (re)started worker is forked with them loaded.
@@ -33,16 +32,10 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
 
 
 def prepare_environment(nproc_per_node: str) -> None:
-    """Set what the workers' environment needs before any worker process exists.
-
-    torchrun sets ``OMP_NUM_THREADS=1`` when a node runs more than one worker and the user
-    set nothing; the same rule applies here, early enough for the forkserver to inherit it.
-    ``auto``, ``cpu`` and ``gpu`` counts are left to torchrun, which then starts the server
-    itself, after it has set the variable.
-    """
-    apply_environment_defaults(launcher_environment_defaults())
-    if nproc_per_node.isdigit() and int(nproc_per_node) > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    """Set what the workers' environment needs before any worker process exists
+    (``agent_env.launcher_environment_defaults``), early enough for the forkserver to
+    inherit it."""
+    apply_environment_defaults(launcher_environment_defaults(nproc_per_node))
 
 
 @contextlib.contextmanager
@@ -56,19 +49,14 @@ def worker_processes(method: str, nproc_per_node: str) -> Iterator[None]:
     if method != "forkserver":
         yield
         return
-    fd, env_file = tempfile.mkstemp(prefix="elastic-train-worker-env-", suffix=".json")
-    os.close(fd)
-    os.environ[WORKER_ENV_FILE] = env_file
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    if nproc_per_node.isdigit():  # else torchrun sets OMP_NUM_THREADS, then starts it
-        forkserver.ensure_running()
-    try:
-        yield
-    finally:
-        _stop_server()
-        os.environ.pop(WORKER_ENV_FILE, None)
-        with contextlib.suppress(OSError):
-            os.unlink(env_file)
+    with worker_env_file():
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        if nproc_per_node.isdigit():  # else torchrun sets OMP_NUM_THREADS, then starts it
+            forkserver.ensure_running()
+        try:
+            yield
+        finally:
+            _stop_server()
 
 
 def _stop_server() -> None:

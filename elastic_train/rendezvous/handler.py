@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _BackendRendezvousStateHolder,
 )
 
-from elastic_train.env import RENDEZVOUS_SECONDS, set_for_workers
+from elastic_train.agent_env import set_rendezvous_seconds
 from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend
 from elastic_train.rendezvous.client import KV, EtcdKV, EtcdUnreachableError
 from elastic_train.rendezvous.lease import SharedLease
@@ -80,7 +80,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         started = time.monotonic()
         info = retry_unreachable(super().next_rendezvous, self._connect_timeout)
         self._joined_round = self._state_holder.state.round
-        set_for_workers(RENDEZVOUS_SECONDS, f"{time.monotonic() - started:.3f}")
+        set_rendezvous_seconds(time.monotonic() - started)
         return info
 
     def num_nodes_waiting(self) -> int:

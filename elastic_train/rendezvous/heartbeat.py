@@ -5,7 +5,14 @@ Free of torch imports: the launcher checks ``--rdzv-conf`` before it imports tor
 
 from __future__ import annotations
 
-from elastic_train.errors import RendezvousConfigError
+from collections.abc import Mapping
+
+from elastic_train.errors import ConfigError, RendezvousConfigError
+
+# torch's defaults, kept by every backend: a dead node is noticed after 5 s x 3 = 15 s,
+# which holds up at 64 nodes.
+KEEP_ALIVE_INTERVAL = 5.0
+KEEP_ALIVE_MAX_ATTEMPT = 3
 
 
 def check_keep_alive(interval: float, attempts: int) -> None:
@@ -26,3 +33,15 @@ def check_keep_alive(interval: float, attempts: int) -> None:
             f"{attempts} declares a node dead after {interval * attempts:g} s, but a live "
             f"node's heartbeat can be {needed:g} s old: use keep_alive_max_attempt={fewest} "
             "or more")
+
+
+def check_keep_alive_conf(backend: str, conf: Mapping[str, str]) -> None:
+    """``check_keep_alive`` on the ``--rdzv-conf`` of one of torch's backends (c10d,
+    etcd-v2), which read both settings as whole numbers."""
+    try:
+        interval = int(conf.get("keep_alive_interval", KEEP_ALIVE_INTERVAL))
+        attempts = int(conf.get("keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT))
+    except ValueError:
+        raise ConfigError("--rdzv-conf keep_alive_interval and keep_alive_max_attempt "
+                          f"must be whole numbers for {backend}") from None
+    check_keep_alive(interval, attempts)

@@ -10,7 +10,12 @@ from typing import Any
 
 from elastic_train.errors import RendezvousConfigError
 from elastic_train.rendezvous.client import Credentials, Endpoint
-from elastic_train.rendezvous.heartbeat import check_keep_alive
+from elastic_train.rendezvous.config import LAST_CALL_TIMEOUT
+from elastic_train.rendezvous.heartbeat import (
+    KEEP_ALIVE_INTERVAL,
+    KEEP_ALIVE_MAX_ATTEMPT,
+    check_keep_alive,
+)
 
 DEFAULT_PORT = 2379
 
@@ -27,13 +32,14 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                  "password_file)"),
     "password_file": (None, "file holding the password of user"),
     "join_timeout": (600.0, "seconds a node waits for a rendezvous round to complete"),
-    "last_call_timeout": (5.0, "seconds a round stays open for more nodes once it has "
-                          "the minimum"),
+    "last_call_timeout": (LAST_CALL_TIMEOUT, "seconds a round stays open for more nodes "
+                          "once it has the minimum"),
     "close_timeout": (30.0, "seconds to mark the rendezvous closed at the end"),
     "heartbeat_timeout": (5.0, "seconds one keep-alive heartbeat may take"),
-    "keep_alive_interval": (5.0, "seconds between a node's heartbeats"),
-    "keep_alive_max_attempt": (3, "heartbeat intervals after which a silent node counts as "
-                               "dead (at least 2 + 3 s / keep_alive_interval)"),
+    "keep_alive_interval": (KEEP_ALIVE_INTERVAL, "seconds between a node's heartbeats"),
+    "keep_alive_max_attempt": (KEEP_ALIVE_MAX_ATTEMPT, "heartbeat intervals after which a "
+                               "silent node counts as dead (at least 2 + 3 s / "
+                               "keep_alive_interval)"),
     "read_timeout": (60.0, "seconds a store read waits for another agent's key"),
     "request_timeout": (10.0, "seconds one request to etcd may take"),
     "connect_timeout": (30.0, "seconds to keep retrying an etcd that does not answer, at "

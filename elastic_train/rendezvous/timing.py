@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch.distributed.elastic import metrics
 
-from elastic_train.env import RENDEZVOUS_SECONDS, set_for_workers
+from elastic_train.agent_env import set_rendezvous_seconds
 
 METRIC = "SimpleElasticAgent._rendezvous.duration.ms"
 
@@ -31,7 +31,7 @@ class RendezvousTimer(metrics.MetricHandler):
     def emit(self, metric_data: metrics.MetricData) -> None:
         if metric_data.name == METRIC:
             self.last_seconds = float(metric_data.value) / 1000.0
-            set_for_workers(RENDEZVOUS_SECONDS, f"{self.last_seconds:.3f}")
+            set_rendezvous_seconds(self.last_seconds)
         if self.forward is not None:
             self.forward.emit(metric_data)
 

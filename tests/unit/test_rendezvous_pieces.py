@@ -11,14 +11,22 @@ from typing import Any
 import pytest
 from torch.distributed.elastic import metrics
 
-from elastic_train import launch
 from elastic_train.batching import plan_batch
 from elastic_train.env import RENDEZVOUS_SECONDS, read_worker_env
 from elastic_train.errors import ConfigError, RendezvousConfigError
 from elastic_train.events import EventLog, previous_incarnation, read_events_backwards
 from elastic_train.rendezvous import timing
 from elastic_train.rendezvous.client import Endpoint, _reason
-from elastic_train.rendezvous.heartbeat import check_keep_alive
+from elastic_train.rendezvous.config import (
+    LAST_CALL_TIMEOUT,
+    RDZV_DEFAULTS,
+    parse_rdzv_conf,
+    rdzv_conf_with_defaults,
+    rendezvous_endpoint,
+    rendezvous_id,
+)
+from elastic_train.rendezvous.failures import rendezvous_failure_line
+from elastic_train.rendezvous.heartbeat import check_keep_alive, check_keep_alive_conf
 from elastic_train.rendezvous.lease import SharedLease
 from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
 from elastic_train.summary import summarize
@@ -297,14 +305,67 @@ def test_summary_of_a_multi_node_run_with_rank0_on_a_new_node() -> None:
 
 
 def test_rendezvous_conf_defaults_and_overrides() -> None:
-    assert launch.rdzv_conf_with_defaults("c10d", "") == "last_call_timeout=5"
+    assert rdzv_conf_with_defaults("c10d", "") == "last_call_timeout=5"
     with pytest.raises(RendezvousConfigError, match="use keep_alive_max_attempt=5 or more"):
-        launch.rdzv_conf_with_defaults("etcd-v2", "keep_alive_interval=1")
-    assert launch.rdzv_conf_with_defaults("etcd", "last_call_timeout=1,timeout=60") == \
+        rdzv_conf_with_defaults("etcd-v2", "keep_alive_interval=1")
+    assert rdzv_conf_with_defaults("etcd", "last_call_timeout=1,timeout=60") == \
         "last_call_timeout=1,timeout=60"
-    assert launch.rdzv_conf_with_defaults("etcd-v3", "") == ""
+    assert rdzv_conf_with_defaults("etcd-v3", "") == ""
     with pytest.raises(ConfigError, match="--rdzv-conf item 'oops' is invalid"):
-        launch.parse_rdzv_conf("a=1,oops")
+        parse_rdzv_conf("a=1,oops")
+
+
+def test_rendezvous_conf_parsing() -> None:
+    assert parse_rdzv_conf("") == {}
+    assert parse_rdzv_conf(" a = 1 ,, b=x=y ") == {"a": "1", "b": "x=y"}
+    for bad in ("=1", "a=", "a= "):
+        with pytest.raises(ConfigError, match="write KEY=VALUE"):
+            parse_rdzv_conf(bad)
+
+
+def test_one_last_call_default_for_every_backend() -> None:
+    assert {backend: conf["last_call_timeout"] for backend, conf in RDZV_DEFAULTS.items()} \
+        == {"c10d": "5", "etcd-v2": "5", "etcd": "5"}
+    assert EtcdV3Options.parse("h", {}).last_call_timeout == LAST_CALL_TIMEOUT == 5.0
+
+
+def test_heartbeat_conf_of_torchs_backends() -> None:
+    check_keep_alive_conf("c10d", {})  # torch's 5 s x 3
+    check_keep_alive_conf("c10d", {"keep_alive_interval": "1", "keep_alive_max_attempt": "5"})
+    with pytest.raises(ConfigError, match="must be whole numbers for etcd-v2") as info:
+        check_keep_alive_conf("etcd-v2", {"keep_alive_interval": "0.5"})
+    assert not isinstance(info.value, RendezvousConfigError)
+    with pytest.raises(RendezvousConfigError, match="use keep_alive_max_attempt=5 or more"):
+        rdzv_conf_with_defaults("c10d", "keep_alive_interval=1,keep_alive_max_attempt=4")
+    rdzv_conf_with_defaults("etcd", "keep_alive_interval=1")  # etcd (v1) has no heartbeats
+
+
+def test_endpoint_and_id_defaults_for_one_node() -> None:
+    assert rendezvous_endpoint("1", "") == rendezvous_endpoint("1:1", "") == "127.0.0.1:0"
+    assert rendezvous_endpoint("1:2", "etcd:2379") == "etcd:2379"
+    with pytest.raises(ConfigError, match="--rdzv-endpoint is required with more than one"):
+        rendezvous_endpoint("2", "")
+    assert len(rendezvous_id("1", "")) == 12
+    assert rendezvous_id("1", "") != rendezvous_id("1", "")
+    assert rendezvous_id("1:4", "job") == "job"
+    with pytest.raises(ConfigError, match="--rdzv-id is required with more than one node"):
+        rendezvous_id("1:4", "")
+
+
+def test_failure_lines_of_rendezvous_errors() -> None:
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousTimeoutError,
+    )
+
+    where = {"backend": "etcd-v3", "endpoint": "etcd:2379", "run_id": "job", "nnodes": "2:4"}
+    assert rendezvous_failure_line(RendezvousClosedError(), **where) == (
+        "rendezvous 'job' (etcd-v3 at etcd:2379) is closed: a job with this --rdzv-id already "
+        "finished; use a new --rdzv-id")
+    assert rendezvous_failure_line(RendezvousTimeoutError(), **where) == (
+        "rendezvous 'job' (etcd-v3 at etcd:2379) did not complete within its join_timeout: "
+        "start the other nodes (--nnodes 2:4) or lower the minimum")
+    assert rendezvous_failure_line(OSError("port in use"), **where) is None
 
 
 def test_the_agents_rendezvous_time_reaches_the_next_workers(

@@ -1,0 +1,29 @@
+"""One actionable line for the rendezvous errors torch raises without a message.
+
+torch is imported when a line is asked for, not at load: the launcher imports this before
+it imports torch (worker_start.py).
+"""
+
+from __future__ import annotations
+
+
+def rendezvous_failure_line(exc: BaseException, *, backend: str, endpoint: str, run_id: str,
+                            nnodes: str) -> str | None:
+    """The line for ``exc`` if it is a rendezvous error torch leaves unexplained, else None.
+
+    ``backend``, ``endpoint``, ``run_id`` and ``nnodes`` are the launch's ``--rdzv-*`` and
+    ``--nnodes`` options as the user gave them.
+    """
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousTimeoutError,
+    )
+
+    where = f"rendezvous {run_id!r} ({backend} at {endpoint})"
+    if isinstance(exc, RendezvousClosedError):
+        return (f"{where} is closed: a job with this --rdzv-id already finished; use a new "
+                "--rdzv-id")
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"{where} did not complete within its join_timeout: start the other nodes "
+                f"(--nnodes {nnodes}) or lower the minimum")
+    return None
