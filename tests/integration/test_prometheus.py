@@ -68,7 +68,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     if prom.available("prometheus"):
         server = prom.start(work / "prometheus", [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"])
     run_dir = work / "run"
+    # Paced steps (50 ms): the kill must land mid-training, after Prometheus has seen step
+    # 25; unpaced, a fast machine finished the 80 steps before its scrape saw them.
     job = harness.elastic_run(run_dir, [
+        "--task", "tests.integration.paced_task:make_task", "--task-opt", "pace=0.05",
         "--max-restarts", "2", "--preset", "tiny", "--steps", str(STEPS),
         "--batch-size", str(BATCH), "--checkpoint-every", str(EVERY),
         "--metrics-port", str(base), "--metrics-address", "127.0.0.1", "--metrics-linger", "30",
