@@ -204,6 +204,10 @@ class ElasticSession:
         epoch = self._first_epoch()
         while self.step_count < total and self.stopped_at is None:
             self._sampler.set_epoch(epoch)
+            if len(self._sampler) == 0:  # else this loop would go on from empty epoch to epoch
+                raise ConfigError(f"the step's batch of {self._sampler.batch_size} samples "
+                                  f"exceeds the {self._sampler.sampler.num_samples} samples "
+                                  "of the dataset: use a smaller batch size or more data")
             for batch in loader:
                 if self.step_count >= total or self.stopped_at is not None:
                     return

@@ -246,3 +246,16 @@ def test_close_refuses_an_unknown_export_suffix_before_anything(tmp_path: Path) 
         assert CheckpointStore(tmp_path / "run" / "checkpoints").list() == []
     finally:
         session._leave()
+
+
+def test_a_step_loop_over_a_dataset_smaller_than_the_batch_is_refused(tmp_path: Path) -> None:
+    session = ElasticSession(tmp_path / "run", env=WorkerEnv())
+    try:
+        loader = session.dataloader(TensorDataset(torch.zeros(3, 1)), global_batch_size=4)
+        session.restore(model=nn.Linear(1, 1))
+        with pytest.raises(ConfigError) as caught:
+            next(session.steps(5, loader))
+        assert str(caught.value) == ("the step's batch of 4 samples exceeds the 3 samples of "
+                                     "the dataset: use a smaller batch size or more data")
+    finally:
+        session._leave()
