@@ -38,6 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from elastic_train.rundir import RunDir  # noqa: E402
 from tests.integration import harness  # noqa: E402
 
 BASELINE = str(REPO / "benchmarks" / "baseline_ddp.py")
@@ -92,7 +93,7 @@ def _baseline_log(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _our_log(run_dir: Path) -> list[dict[str, Any]]:
-    return _events(run_dir / "events.jsonl")
+    return _events(RunDir(run_dir).events)
 
 
 def _step_times(events: list[dict[str, Any]], skip: int = 3) -> list[float]:

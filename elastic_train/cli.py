@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from elastic_train import __version__
 from elastic_train.errors import ElasticTrainError
 from elastic_train.process_exit import exit_process
+from elastic_train.rundir import RunDir
 
 if TYPE_CHECKING:
     from elastic_train.checkpoint.storage import CheckpointStore
@@ -46,7 +47,7 @@ def _checkpoint_store(run_dir: Path) -> CheckpointStore:
     from elastic_train.checkpoint.storage import CheckpointStore
 
     _check_run_dir(run_dir)
-    return CheckpointStore(run_dir / "checkpoints")
+    return CheckpointStore(RunDir(run_dir).checkpoints)
 
 
 def _checkpoint_rows(store: CheckpointStore) -> list[dict[str, Any]]:
@@ -90,7 +91,7 @@ def checkpoints_list(run_dir: Path, as_json: bool) -> int:
                           "leftovers": leftovers}, indent=2))
         return 0
     if not rows:
-        print(f"no checkpoints under {run_dir / 'checkpoints'}")
+        print(f"no checkpoints under {RunDir(run_dir).checkpoints}")
     else:
         print(f"{'STEP':>8}  {'WORLD':>5}  {'TIME (UTC)':<19}  {'SIZE':>10}  {'VALID':<5}  "
               "MODEL SHA256")
@@ -114,7 +115,7 @@ def checkpoints_verify(run_dir: Path) -> int:
         state = "ok" if r["valid"] else f"CORRUPT: {r['problem']}"
         print(f"{r['path']}: {state}")
     if not rows:
-        print(f"no checkpoints under {run_dir / 'checkpoints'}")
+        print(f"no checkpoints under {RunDir(run_dir).checkpoints}")
     if bad:
         print(f"{len(bad)} of {len(rows)} checkpoints are corrupt", file=sys.stderr)
         return 1

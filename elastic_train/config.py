@@ -22,12 +22,11 @@ import argparse
 import dataclasses
 import difflib
 import json
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from elastic_train.errors import ConfigError
 

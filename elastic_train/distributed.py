@@ -1,7 +1,8 @@
 """The process group: backend choice, reliable init under torchrun, and the few collectives.
 
-Every collective here takes the group's timeout, and callers reach them on every rank in the
-same order (restore, save coordination, shutdown).
+These are the package's only collectives. Every one takes the group's timeout, and callers
+reach them on every rank in the same order (the per-step vote, restore, save coordination,
+shutdown).
 """
 
 from __future__ import annotations
@@ -123,6 +124,17 @@ def broadcast_json(group: Group, value: Any, src: int = 0) -> Any:
         buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=group.device)
     dist.broadcast(buffer, src)
     return json.loads(bytes(buffer.cpu().tolist()).decode())
+
+
+def sum_over_ranks(group: Group, values: torch.Tensor) -> list[float]:
+    """Sum a small tensor of this rank's values over every rank (in place); its items.
+
+    The per-step vote (runtime.py) uses it: the loss and every stop flag travel in one
+    all-reduce, so that every rank leaves the loop at the same step.
+    """
+    if group.world_size > 1:
+        dist.all_reduce(values)
+    return values.tolist()
 
 
 def all_true(group: Group, flag: bool) -> bool:

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-EVENTS_FILE = "events.jsonl"
+from elastic_train.event_schema import Event, EventRecord
 
 EventObserver = Callable[[Mapping[str, Any]], None]
 """Called with every record (``time``, ``event`` and its fields) right after it is made."""
 
 
 class EventLog:
-    """Appends events to ``<run_dir>/events.jsonl``; a disabled log (ranks > 0) drops them.
+    """Appends events to the run's event log; a disabled log (ranks > 0) drops them.
 
     ``observers`` are called with every record, also when the log is disabled, one record
     at a time (under the log's lock: the checkpoint writer thread emits too).
@@ -37,14 +37,23 @@ class EventLog:
         self._file: TextIO | None = None
         self._lock = threading.Lock()  # the checkpoint writer thread emits too
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, record: EventRecord) -> None:
+        """Append one record (event_schema.py) and show it to the observers."""
+        if not self.enabled and not self.observers:
+            return
+        fields = record.fields()
+        with self._lock:
+            self._emit(record.event, fields)
+
+    def emit_raw(self, event: str, **fields: Any) -> None:
+        """Append a record given as a name and fields (replays of read records, tests)."""
         if not self.enabled and not self.observers:
             return
         with self._lock:
             self._emit(event, fields)
 
     def _emit(self, event: str, fields: dict[str, Any]) -> None:
-        record = {"time": round(time.time(), 6), "event": event, **fields}
+        record = {"time": round(time.time(), 6), "event": str(event), **fields}
         if self.enabled:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,13 +159,13 @@ def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
         kind = record["event"]
         if last_seen is None:
             last_seen = record.get("time")
-        if kind == "end":
+        if kind == Event.END:
             return None
-        if kind == "step" and last_step is None:
+        if kind == Event.STEP and last_step is None:
             last_step = record
-        if kind == "stopped" and stopped is None:
+        if kind == Event.STOPPED and stopped is None:
             stopped = record
-        if kind == "start":
+        if kind == Event.START:
             if record.get("run_id") != run_id:
                 return None
             return Incarnation(record.get("world_size"), int(record.get("restart", 0)),

@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from elastic_train.agent_env import option_default
 from elastic_train.config import JobConfig, parse_job_args
@@ -32,7 +31,7 @@ from elastic_train.rendezvous.config import (
     rendezvous_id,
 )
 from elastic_train.rendezvous.failures import rendezvous_failure_line
-from elastic_train.rundir import prepare_run_dir
+from elastic_train.rundir import RunDir
 from elastic_train.worker_start import worker_processes, workers_released_on_close
 
 log = logging.getLogger(__name__)
@@ -115,7 +114,7 @@ def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
     from elastic_train.tasks.base import TaskContext
     from elastic_train.tasks.loader import load_task
 
-    prepare_run_dir(config.run_dir)
+    run_dir = RunDir(config.run_dir).prepare()
     task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                     config.train.seed, config.run_dir))
     try:
@@ -124,7 +123,7 @@ def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
     except Exception as exc:  # a model that cannot be built on meta: the workers will check
         log.debug("skipping the checkpoint pre-check: %s", exc)
     else:
-        for info in CheckpointStore(Path(config.run_dir) / "checkpoints").list():
+        for info in CheckpointStore(run_dir.checkpoints).list():
             if info.manifest is not None:
                 check_compatible(info, shapes)
                 break

@@ -25,6 +25,7 @@ from prometheus_client.process_collector import ProcessCollector
 from elastic_train import __version__
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import MetricsError
+from elastic_train.event_schema import Event
 from elastic_train.sampler import shard_bounds
 
 PREFIX = "elastic_train"
@@ -174,11 +175,11 @@ class WorkerMetrics:
             self.rendezvous.set(env.rendezvous_seconds)
         ProcessCollector(registry=registry)
         self._handlers: dict[str, Callable[[Mapping[str, Any]], None]] = {
-            "start": self._on_start, "rendezvous": self._on_rendezvous,
-            "startup": self._on_startup, "step": self._on_step,
-            "checkpoint_saved": self._on_saved, "checkpoint_loaded": self._on_loaded,
-            "checkpoint_skipped": self._on_skipped,
-            "checkpoint_failed": lambda record: self.failed.inc(),
+            Event.START: self._on_start, Event.RENDEZVOUS: self._on_rendezvous,
+            Event.STARTUP: self._on_startup, Event.STEP: self._on_step,
+            Event.CHECKPOINT_SAVED: self._on_saved, Event.CHECKPOINT_LOADED: self._on_loaded,
+            Event.CHECKPOINT_SKIPPED: self._on_skipped,
+            Event.CHECKPOINT_FAILED: lambda record: self.failed.inc(),
         }
 
     def observe(self, record: Mapping[str, Any]) -> None:

@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from elastic_train.event_schema import Event
+
 LIVE_REDRAW_SECONDS = 0.2
 LIVE_WINDOW = 20
 """Steps over which the live line averages the loss and measures throughput and ETA."""
@@ -53,10 +55,10 @@ class Progress:
     # ---- input ---------------------------------------------------------------------------
     def observe(self, record: Mapping[str, Any]) -> None:
         """An ``EventObserver``: a start resets the window, a step may draw."""
-        if record["event"] == "start":
+        if record["event"] == Event.START:
             self._losses.clear()
             self._marks.clear()
-        elif record["event"] == "step":
+        elif record["event"] == Event.STEP:
             self._on_step(record)
 
     def message(self, text: str) -> None:

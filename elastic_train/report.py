@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from elastic_train.errors import ReportError
-from elastic_train.events import EVENTS_FILE, read_events
+from elastic_train.event_schema import Event
+from elastic_train.events import read_events
 from elastic_train.progress import format_eta
+from elastic_train.rundir import RunDir
 from elastic_train.summary import launch_segment, summarize
 
 THROUGHPUT_WINDOW = 10
@@ -104,14 +106,14 @@ def timeline(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Tim
     checkpoints: list[tuple[float, int]] = []
     for record in records:
         kind = record["event"]
-        if kind == "start":
+        if kind == Event.START:
             incarnations.append(Incarnation(record.get("restart", 0), record["time"],
                                             record.get("world_size")))
-        elif kind == "checkpoint_loaded":
+        elif kind == Event.CHECKPOINT_LOADED:
             incarnations[-1].resumed_step = record["step"]
-        elif kind == "step":
+        elif kind == Event.STEP:
             incarnations[-1].steps.append(record)
-        elif kind == "checkpoint_saved":
+        elif kind == Event.CHECKPOINT_SAVED:
             checkpoints.append((record["time"], record["step"]))
     failures, resizes = [], []
     for before, after in itertools.pairwise(incarnations):
@@ -289,7 +291,7 @@ class Report:
 def write_report(run_dir: Path, output: Path | None = None, run_id: str | None = None,
                  plot: bool = True) -> Report:
     """Write ``report.png`` and ``report.txt`` (default: into ``run_dir``)."""
-    log = Path(run_dir) / EVENTS_FILE
+    log = RunDir(run_dir).events
     if not log.is_file():
         raise ReportError(f"{log} does not exist: pass the --run-dir of a job")
     line = timeline(read_events(log), run_id)

@@ -15,36 +15,38 @@
 The session uses the same checkpoint format, restore protocol, sampler and event log as the
 built-in trainer, so ``elastic-train checkpoints`` and reports work on its runs too.
 
-Preemption works as in the built-in trainer: SIGTERM on any rank becomes a vote that every
-rank sees at the same step (one small all-reduce per step), rank 0 checkpoints that step,
-``step()`` returns True, and the workers exit 0 after ``close()``, within the budget. On
-several nodes only the signalled node's workers exit 0; the others' ``close()`` raises
-``NodeStoppedError`` (a non-zero exit), so that their agents re-form the world without it.
+The protocol around the loop (start, restore, the per-step vote, stops, the final
+checkpoint) is the worker runtime's (runtime.py), the same as the built-in trainer's.
+Preemption: SIGTERM on any rank becomes a vote that every rank sees at the same step (one
+small all-reduce per step), rank 0 checkpoints that step, ``step()`` returns True, and the
+workers exit 0 after ``close()``, within the budget. On several nodes only the signalled
+node's workers exit 0; the others' ``close()`` raises ``NodeStoppedError`` (a non-zero
+exit), so that their agents re-form the world without it. ``on_save_failure="stop"`` makes
+a checkpoint that rank 0 cannot write stop every rank at the same step: ``step()`` raises
+``CheckpointStopError`` with one line saying what to fix.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any, overload
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from elastic_train import distributed
 from elastic_train.batching import global_batch
 from elastic_train.checkpoint.export import check_weights_file, write_weights
 from elastic_train.checkpoint.manager import CheckpointManager, Stateful
-from elastic_train.checkpoint.storage import CheckpointStore
-from elastic_train.config import CheckpointConfig
+from elastic_train.config import SAVE_FAILURE_POLICIES, CheckpointConfig
 from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import ConfigError
-from elastic_train.events import EVENTS_FILE, EventLog
-from elastic_train.preemption import StopRequest, node_stopped
-from elastic_train.rundir import prepare_run_dir
+from elastic_train.event_schema import Step
+from elastic_train.events import EventLog
+from elastic_train.rundir import RunDir
+from elastic_train.runtime import WorkerRuntime
 from elastic_train.sampler import ElasticBatchSampler
 from elastic_train.seeding import derive_seed
 
@@ -66,35 +68,51 @@ class ElasticSession:
     def __init__(self, run_dir: str | Path, *, checkpoint_every: int | None = 100,
                  checkpoint_interval: float | None = None, keep_checkpoints: int = 3,
                  seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
-                 preemption_budget: float | None = 25.0,
+                 preemption_budget: float | None = 25.0, on_save_failure: str = "continue",
                  env: WorkerEnv | None = None) -> None:
         """``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit (keep
-        it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python."""
+        it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python.
+        ``on_save_failure``: ``continue`` (train on, keep the last good checkpoint, warn)
+        or ``stop`` (every rank stops at the same step; see the module docstring)."""
         if checkpoint_every is not None and checkpoint_every <= 0:
             raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
                               "positive number of steps, or None")
         if preemption_budget is not None and preemption_budget <= 0:
             raise ConfigError(f"preemption_budget {preemption_budget} is invalid: it must be a "
                               "positive number of seconds, or None")
+        if on_save_failure not in SAVE_FAILURE_POLICIES:
+            raise ConfigError(f"on_save_failure {on_save_failure!r} is invalid: use one of "
+                              f"{', '.join(SAVE_FAILURE_POLICIES)}")
         self.env = env or read_worker_env()
         self.run_dir = Path(run_dir)
         self.seed = seed
+        layout = RunDir(self.run_dir)
         if self.env.rank == 0:
-            prepare_run_dir(self.run_dir)
+            layout.prepare()
         self.group = distributed.init_group(self.env, backend, timeout_seconds)
-        self.events = EventLog(self.run_dir / EVENTS_FILE, enabled=self.group.rank == 0)
-        policy = CheckpointConfig(checkpoint_every, checkpoint_interval, keep_checkpoints)
-        self.checkpoints = CheckpointManager(CheckpointStore(self.run_dir / "checkpoints"),
-                                             self.group, policy, self.events,
-                                             {"run_id": self.env.run_id})
+        policy = CheckpointConfig(checkpoint_every, checkpoint_interval, keep_checkpoints,
+                                  on_save_failure=on_save_failure)
+        self.runtime = WorkerRuntime(layout, self.env, self.group, policy,
+                                     preemption_budget=preemption_budget,
+                                     save_failure_option="on_save_failure").install()
         self._counter = _Counter()
         self._objects: dict[str, Stateful] = {}
         self._sampler: ElasticBatchSampler | None = None
-        self._stop: StopRequest | None = None
-        if preemption_budget is not None and threading.current_thread() is threading.main_thread():
-            self._stop = StopRequest(preemption_budget).install()
-        self.stopped_at: int | None = None
-        self._stopped_nodes: list[int] = []
+
+    @property
+    def events(self) -> EventLog:
+        """The run's event log (rank 0 writes it)."""
+        return self.runtime.events
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        """The run's checkpoints: when to save, rank 0's writes, the restore."""
+        return self.runtime.checkpoints
+
+    @property
+    def stopped_at(self) -> int | None:
+        """The step the job stopped at after a SIGTERM (``step()`` returned True), or None."""
+        return self.runtime.stopped_at
 
     @property
     def rank(self) -> int:
@@ -152,9 +170,8 @@ class ElasticSession:
         self._objects = {**objects, "session": self._counter}
         if self._sampler is not None:
             self._objects["sampler"] = self._sampler
-        self.events.emit("start", run_id=self.env.run_id, restart=self.env.restart_count,
-                         world_size=self.world_size, total_steps=None, backend=self.group.backend)
-        restored = self.checkpoints.restore(self._objects)
+        self.runtime.start(total_steps=None)
+        restored = self.runtime.restore(self._objects)
         torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
         return 0 if restored is None else restored.step
 
@@ -237,7 +254,9 @@ class ElasticSession:
         """Call after each optimizer step: counts it, advances the sampler, checkpoints.
 
         Returns True when the job is being stopped (SIGTERM on any rank): this step is
-        then checkpointed; leave the training loop and call ``close()``.
+        then checkpointed; leave the training loop and call ``close()``. Raises
+        ``CheckpointStopError`` on every rank when rank 0 could not write a checkpoint and
+        ``on_save_failure`` is ``stop``.
         """
         if not self._objects:
             raise ConfigError("call restore(model=..., optimizer=...) before the first step()")
@@ -248,43 +267,15 @@ class ElasticSession:
         if self._sampler is not None:
             self._sampler.advance()
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
-        self.events.emit("step", step=self.step_count, loss=value, world_size=self.world_size,
-                         restart=self.env.restart_count)
-        if self._stop_voted():
-            self._stop_here()
+        self.events.emit(Step(step=self.step_count, loss=value, world_size=self.world_size,
+                              restart=self.env.restart_count))
+        vote = self.runtime.vote()
+        if vote.ends_loop:
+            self.runtime.end(self.step_count, self._objects, vote)
             return True
-        if self.checkpoints.due(self.step_count):
-            self.checkpoints.save(self.step_count, self._objects)
+        self.runtime.save_if_due(self.step_count, self._objects)
         torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
         return False
-
-    def _stop_voted(self) -> bool:
-        """Whether any rank got SIGTERM: [any, node 0, node 1, ...] summed over the world."""
-        if self._stop is None:
-            return False
-        if self.world_size == 1:  # nothing to agree on: no tensor, no device sync
-            self._stopped_nodes = [self.env.group_rank] if self._stop.requested else []
-            return self._stop.requested
-        votes = torch.zeros(1 + self.env.group_world_size, dtype=torch.float64,
-                            device=self.device)
-        if self._stop.requested:
-            votes[0] = votes[1 + self.env.group_rank] = 1.0
-        dist.all_reduce(votes)
-        anyone, *by_node = votes.tolist()
-        self._stopped_nodes = [node for node, v in enumerate(by_node) if v > 0]
-        return anyone > 0
-
-    def _stop_here(self) -> None:
-        assert self._stop is not None
-        self.stopped_at = self.step_count
-        self.events.emit("preempted", step=self.step_count, **self._stop.event_fields())
-        self.checkpoints.save(self.step_count, self._objects, reason="preemption", wait=True)
-        self.checkpoints.finish()
-        distributed.barrier(self.group)
-        if self.rank == 0:
-            print(f"elastic_train: stop requested (preemption): stopped at step "
-                  f"{self.step_count} with a checkpoint; rerun the same command to resume",
-                  file=sys.stderr, flush=True)
 
     def close(self, export: str | Path | None = None) -> None:
         """Write the final checkpoint, wait for every rank, and leave the process group.
@@ -300,21 +291,15 @@ class ElasticSession:
         if export is not None:
             check_weights_file(Path(export))
         if self.stopped_at is None:
-            if self._objects:
-                self.checkpoints.save(self.step_count, self._objects, reason="final", wait=True)
-                self.checkpoints.finish()
-                if export is not None and self.rank == 0:
-                    write_weights(self._objects["model"].state_dict(), Path(export))
-            distributed.barrier(self.group)
-            self.events.emit("end", step=self.step_count, run_id=self.env.run_id)
+            target = None if export is None or not self._objects else Path(export)
+            model = self._objects.get("model")
+            self.runtime.end(self.step_count, self._objects, then=None if target is None else
+                             lambda: write_weights(model.state_dict(), target))
         self._leave()
-        if self.stopped_at is not None and self.env.group_rank not in self._stopped_nodes:
-            raise node_stopped(self._stopped_nodes, self.stopped_at)
+        self.runtime.raise_if_node_stopped()
 
     def _leave(self) -> None:
-        if self._stop is not None:
-            self._stop.uninstall()
-        self.events.close()
+        self.runtime.close()
         distributed.destroy_group()
 
     def __enter__(self) -> ElasticSession:

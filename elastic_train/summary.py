@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_train.event_schema import Event
+
 LOSS_WINDOW = 10
 
 
@@ -50,14 +52,14 @@ def _newest_launch(records: list[dict[str, Any]], run_id: str | None) -> tuple[i
     """
     begin, closed = -1, True
     for i, e in enumerate(records):
-        if e["event"] == "end":
+        if e["event"] == Event.END:
             closed = True
-        elif e["event"] == "start":
+        elif e["event"] == Event.START:
             if e.get("run_id") != run_id:
                 closed = True
             elif closed:
                 begin, closed = i, False
-    end = next((i for i in range(begin + 1, len(records)) if records[i]["event"] == "start"
+    end = next((i for i in range(begin + 1, len(records)) if records[i]["event"] == Event.START
                 and records[i].get("run_id") != run_id), len(records))
     return begin, end
 
@@ -67,7 +69,7 @@ def launch_segment(events: Iterable[dict[str, Any]], run_id: str | None = None
     """The records of the newest launch of ``run_id`` (or of the newest run in the log):
     from its first start up to the next launch, restarts and resizes included."""
     records = list(events)
-    starts = [i for i, e in enumerate(records) if e["event"] == "start"
+    starts = [i for i, e in enumerate(records) if e["event"] == Event.START
               and (run_id is None or e.get("run_id") == run_id)]
     if not starts:
         return run_id, []
@@ -81,7 +83,7 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
     run_id, segment = launch_segment(events, run_id)
     if not segment:
         return RunSummary(run_id, 0, None, None, None, 0, 0, 0, 0, ())
-    steps = [e for e in segment if e["event"] == "step"]
+    steps = [e for e in segment if e["event"] == Event.STEP]
     seen: set[int] = set()
     redone = 0
     effective: dict[int, float] = {}
@@ -94,17 +96,17 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
     tail = losses[-LOSS_WINDOW:]
     sizes: list[int] = []
     for e in segment:
-        if e["event"] == "start" and (not sizes or sizes[-1] != e.get("world_size")):
+        if e["event"] == Event.START and (not sizes or sizes[-1] != e.get("world_size")):
             sizes.append(e.get("world_size"))
-    restarts = max((e.get("restart", 0) for e in segment if e["event"] == "start"), default=0)
+    restarts = max((e.get("restart", 0) for e in segment if e["event"] == Event.START), default=0)
     return RunSummary(
         run_id=run_id,
         steps_done=max(seen, default=0),
         total_steps=segment[0].get("total_steps"),
         final_loss=sum(tail) / len(tail) if tail else None,
         first_loss=steps[0]["loss"] if steps and steps[0]["step"] == 1 else None,
-        checkpoints_written=sum(e["event"] == "checkpoint_saved" for e in segment),
-        checkpoints_skipped=sum(e["event"] == "checkpoint_skipped" for e in segment),
+        checkpoints_written=sum(e["event"] == Event.CHECKPOINT_SAVED for e in segment),
+        checkpoints_skipped=sum(e["event"] == Event.CHECKPOINT_SKIPPED for e in segment),
         restarts=restarts,
         steps_redone=redone,
         world_sizes=tuple(sizes),

@@ -18,32 +18,24 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train import distributed
 from elastic_train.batching import BatchPlan, plan_batch
-from elastic_train.checkpoint.manager import CheckpointManager, Restored
-from elastic_train.checkpoint.stop import SaveFailureStop
-from elastic_train.checkpoint.storage import CheckpointStore
+from elastic_train.checkpoint.manager import Restored
 from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
-from elastic_train.events import (
-    EVENTS_FILE,
-    EventLog,
-    EventObserver,
-    Incarnation,
-    previous_incarnation,
-    read_events,
-)
-from elastic_train.preemption import StopRequest, node_stopped
+from elastic_train.event_schema import BatchPlan as BatchPlanEvent
+from elastic_train.event_schema import Hang, Startup, Step
+from elastic_train.events import EventLog, EventObserver, read_events
 from elastic_train.progress import Progress
+from elastic_train.rundir import RunDir
+from elastic_train.runtime import GO_ON, Vote, WorkerRuntime
 from elastic_train.sampler import ResumableSampler
 from elastic_train.seeding import derive_seed
 from elastic_train.summary import RunSummary, summarize
@@ -113,16 +105,19 @@ class Trainer:
             if group.rank == 0 else None
         if self.progress is not None:
             observers = [*observers, self.progress.observe]
-        run_dir = Path(config.run_dir)
-        self.events = EventLog(run_dir / EVENTS_FILE, enabled=group.rank == 0,
-                               observers=observers)
+        self.run_dir = RunDir(config.run_dir)
+        meta = {"task": cfg.task, "task_options": dict(cfg.task_options),
+                "run_id": env.run_id, "batch_size": cfg.batch_size}
+        self.runtime = WorkerRuntime(
+            self.run_dir, env, group, config.checkpoint,
+            preemption_budget=config.distributed.preemption_budget_seconds, meta=meta,
+            observers=observers, say=self._print)
+        self.events = self.runtime.events
         self.state = TrainerState()
-        self.stop = StopRequest(config.distributed.preemption_budget_seconds)
         # Replaced after the restore by the job's policy (see _plan_batch).
         self.plan = BatchPlan("constant", config.train.batch_size, 1.0, group.world_size,
                               group.world_size)
         self._samples_file: TextIO | None = None
-        self.stopped_nodes: list[int] = []  # the nodes (group ranks) whose workers got a stop
         self._marks = {"process_start": process_start_time(), **(marks or {})}
 
     # ---- building ------------------------------------------------------------------------
@@ -143,22 +138,14 @@ class Trainer:
             self.optimizer,
             lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.lr_schedule)
             * self.plan.lr_scale)
-        store = CheckpointStore(Path(self.config.run_dir) / "checkpoints")
-        meta = {"task": cfg.task, "task_options": dict(cfg.task_options),
-                "run_id": self.env.run_id, "batch_size": cfg.batch_size}
-        self.checkpoints = CheckpointManager(store, self.group, self.config.checkpoint,
-                                             self.events, meta)
-        self.save_failure = SaveFailureStop(self.checkpoints, self.group, self.events,
-                                            self.env.restart_count)
 
     def _stateful(self) -> dict[str, Any]:
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                 "trainer": self.state, "sampler": self.sampler}
 
     # ---- one step ------------------------------------------------------------------------
-    def _step(self, ddp: DistributedDataParallel) -> tuple[float, bool, bool]:
-        """One optimizer step; returns (global mean loss, whether any rank asked to stop,
-        whether rank 0 stops because a checkpoint could not be written)."""
+    def _step(self, ddp: DistributedDataParallel) -> tuple[float, Vote]:
+        """One optimizer step; returns the global mean loss and what every rank voted."""
         cfg = self.config.train
         rank, world = self.group.rank, self.group.world_size
         self.watchdog.phase("data")
@@ -166,10 +153,7 @@ class Trainer:
         batch = self.sampler.next_batch(global_batch)
         mine = batch.shard(rank, world)
         torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
-        # [loss sum, stop votes, save-failure stop, stop votes of node 0, node 1, ...]: one
-        # all-reduce carries all of it.
-        tally = torch.zeros(3 + self.env.group_world_size, dtype=torch.float64,
-                            device=self.group.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.group.device)
         chunks = micro_batches(mine, cfg.micro_batch_size)
         for i, chunk in enumerate(chunks):
             inputs = collate(self.task, [self.dataset[int(j)] for j in chunk])
@@ -182,33 +166,26 @@ class Trainer:
                 # DDP averages gradients over ranks; weighting by share * world / global
                 # batch makes the result the mean over the global batch for any split.
                 (loss * (len(chunk) * world / global_batch)).backward()
-            tally[0] += loss.detach().double() * len(chunk)
+            loss_sum += loss.detach().double() * len(chunk)
         self.watchdog.phase("optimizer")
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tally[1] = 1.0 if self.stop.requested else 0.0
-        tally[2] = 1.0 if self.save_failure.vote() else 0.0
-        if self.stop.requested:
-            tally[3 + self.env.group_rank] = 1.0
         if world > 1:
             self.watchdog.phase("all-reduce of the loss")
-            dist.all_reduce(tally)
+        vote = self.runtime.vote(loss_sum)
         self.state.step += 1
         self.state.samples_seen += global_batch
         self.watchdog.progress(self.state.step)
         if cfg.record_samples:
             self._record_samples(batch.epoch, batch.offset, mine)
-        loss_sum, votes, save_failed, *by_node = tally.tolist()
-        if votes > 0:
-            self.stopped_nodes = [node for node, v in enumerate(by_node) if v > 0]
-        return loss_sum / global_batch, votes > 0, save_failed > 0
+        return vote.loss_sum / global_batch, vote
 
     def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
         if self._samples_file is None:
-            path = Path(self.config.run_dir) / "samples" / f"rank-{self.group.rank}.jsonl"
+            path = self.run_dir.samples_of(self.group.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._samples_file = open(path, "a", buffering=1)
         self._samples_file.write(json.dumps({
@@ -220,24 +197,20 @@ class Trainer:
     # ---- the run -------------------------------------------------------------------------
     def run(self) -> RunSummary | None:
         """Train to the configured step count; return the run's summary on rank 0."""
-        self.stop.install()
+        self.runtime.install()
         try:
-            return self._run()
+            summary = self._run()
         finally:
-            self.stop.uninstall()
+            self.runtime.close()
+        self.runtime.raise_if_node_stopped()
+        return summary
 
     def _run(self) -> RunSummary | None:
         cfg = self.config.train
         self._build()
-        previous = (previous_incarnation(Path(self.config.run_dir) / EVENTS_FILE,
-                                         self.env.run_id) if self.group.rank == 0 else None)
-        self.events.emit("start", run_id=self.env.run_id, restart=self.env.restart_count,
-                         world_size=self.group.world_size, total_steps=cfg.steps,
-                         backend=self.group.backend, threads=torch.get_num_threads(),
-                         config=self.config.to_dict())
-        self._record_rendezvous(previous)
-        self.save_failure.refuse_restart(previous, Path(self.config.run_dir) / "checkpoints")
-        restored = self.checkpoints.restore(self._stateful())
+        self.runtime.start(total_steps=cfg.steps, threads=torch.get_num_threads(),
+                           config=self.config.to_dict())
+        restored = self.runtime.restore(self._stateful())
         self._marks["restored"] = time.time()
         self._plan_batch(restored)
         self._announce(restored)
@@ -248,97 +221,50 @@ class Trainer:
         self._marks["ddp_ready"] = time.time()
         self.watchdog = self._make_watchdog().start()
         # A resume at the last step runs no step at all.
-        first_step, stop, save_failed = True, False, False
+        first_step, vote = True, GO_ON
         while self.state.step < cfg.steps:
             began = time.monotonic()
-            loss, stop, save_failed = self._step(ddp)
+            loss, vote = self._step(ddp)
             step_seconds = time.monotonic() - began
             if first_step:  # the start-up timeline, for recovery measurements
-                self.events.emit("startup", restart=self.env.restart_count,
-                                 resumed_step=self.state.step - 1, first_step_done=time.time(),
-                                 **self._marks)
+                self.events.emit(Startup(restart=self.env.restart_count,
+                                         resumed_step=self.state.step - 1,
+                                         first_step_done=time.time(), marks=self._marks))
                 first_step = False
-            self.events.emit("step", step=self.state.step, loss=round(loss, 6),
-                             lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
-                             world_size=self.group.world_size, samples=self.state.samples_seen,
-                             global_batch=self.plan.global_batch,
-                             seconds=round(step_seconds, 6), restart=self.env.restart_count)
-            if save_failed:
+            self.events.emit(Step(step=self.state.step, loss=round(loss, 6),
+                                  lr=self.scheduler.get_last_lr()[0], epoch=self.sampler.epoch,
+                                  world_size=self.group.world_size,
+                                  samples=self.state.samples_seen,
+                                  global_batch=self.plan.global_batch,
+                                  seconds=round(step_seconds, 6),
+                                  restart=self.env.restart_count))
+            if vote.ends_loop:
                 break
-            if stop:
-                self._preempted()
-                break
-            if self.state.step < cfg.steps and self.checkpoints.due(self.state.step):
+            if self.state.step < cfg.steps:
                 # This loop changes parameters and optimizer state only in optimizer.step():
                 # their copy overlaps the next forward and backward.
-                self.checkpoints.save(self.state.step, self._stateful(),
-                                      overlap_with=self.optimizer)
+                self.runtime.save_if_due(self.state.step, self._stateful(),
+                                         overlap_with=self.optimizer)
         self.watchdog.stop()  # the final save may take long: not a stalled step
-        if save_failed or self.save_failure.agreed_after_loop():
-            self.save_failure.stop(self.state.step)
-        reason = "preemption" if stop else "final"
-        self.checkpoints.save(self.state.step, self._stateful(), reason=reason, wait=True)
-        self.checkpoints.finish()
-        distributed.barrier(self.group)
-        if not stop:
-            # A stop on SIGTERM is no end: the agent also sends it to re-form the world
-            # (a node joined) and the launch goes on; its "preempted" event says enough.
-            self.events.emit("end", step=self.state.step, run_id=self.env.run_id)
-        summary = self._finish()
-        if stop and self.env.group_rank not in self.stopped_nodes:
-            raise node_stopped(self.stopped_nodes, self.state.step)
-        return summary
+        self.runtime.end(self.state.step, self._stateful(), vote)
+        return self._finish()
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
         timeout = self.config.distributed.step_timeout_seconds
         if timeout is None:
             return _NoWatchdog()
-        run_dir = Path(self.config.run_dir)
+        events_file = self.run_dir.events
 
         def report(finding: dict[str, Any]) -> None:
             # Any rank may find the hang (rank 0 may be the stuck one): append directly.
-            log_ = EventLog(run_dir / EVENTS_FILE)
-            log_.emit("hang", restart=self.env.restart_count,
-                      **{k: v for k, v in finding.items() if k != "message"})
+            log_ = EventLog(events_file)
+            log_.emit(Hang(restart=self.env.restart_count,
+                           finding={k: v for k, v in finding.items() if k != "message"}))
             log_.close()
             print(f"elastic_train: error: {finding['message']}", file=sys.stderr, flush=True)
 
         store = distributed.default_store() if self.group.world_size > 1 else None
         return StepWatchdog(store, self.group.rank, self.group.world_size, timeout, report)
-
-    def _preempted(self) -> None:
-        self.events.emit("preempted", step=self.state.step, **self.stop.event_fields())
-        if self.group.rank == 0:
-            self._print(f"stop requested (preemption): stopping at step {self.state.step} with a "
-                        "checkpoint; rerun the same command to resume")
-
-    def _record_rendezvous(self, previous: Incarnation | None) -> None:
-        """Rank 0: the rendezvous that formed this world, and the resize if it is one.
-
-        ``seconds`` is torch's agent's own measurement of the rendezvous when
-        ``elastic-train run`` passed it on (rendezvous/timing.py), else null;
-        ``since_last_step_seconds`` is the time since the previous world's last step (the
-        failure or membership change, its detection, the rendezvous and this start-up);
-        ``previous_last_step`` and ``previous_last_seen`` (its newest event's time) give the
-        metrics the steps redone and the recovery time.
-        """
-        if self.group.rank != 0:
-            return
-        world = self.group.world_size
-        since = None
-        if previous is not None and previous.last_step_time is not None:
-            since = round(time.time() - previous.last_step_time, 3)
-        self.events.emit("rendezvous", restart=self.env.restart_count, world_size=world,
-                         nodes=self.env.group_world_size,
-                         previous_world_size=previous.world_size if previous else None,
-                         previous_last_step=previous.last_step if previous else None,
-                         previous_last_seen=previous.last_seen if previous else None,
-                         seconds=self.env.rendezvous_seconds,
-                         since_last_step_seconds=since)
-        if previous is not None and previous.world_size not in (None, world):
-            self.events.emit("resize", old_world_size=previous.world_size,
-                             new_world_size=world, nodes=self.env.group_world_size,
-                             restart=self.env.restart_count, since_last_step_seconds=since)
 
     def _plan_batch(self, restored: Restored | None) -> None:
         """Fix this incarnation's global batch and LR scale (after the restore: W0 is in it)."""
@@ -360,11 +286,11 @@ class Trainer:
             for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
             self.scheduler._last_lr = lrs  # what get_last_lr() reports
-        self.events.emit("batch_plan", policy=self.plan.policy,
-                         global_batch=self.plan.global_batch, lr_scale=self.plan.lr_scale,
-                         lr=self.optimizer.param_groups[0]["lr"], step=self.state.step,
-                         world_size=world,
-                         reference_world_size=self.plan.reference_world_size)
+        self.events.emit(BatchPlanEvent(
+            policy=self.plan.policy, global_batch=self.plan.global_batch,
+            lr_scale=self.plan.lr_scale, lr=self.optimizer.param_groups[0]["lr"],
+            step=self.state.step, world_size=world,
+            reference_world_size=self.plan.reference_world_size))
 
     def _announce(self, restored: Restored | None) -> None:
         if self.group.rank != 0:
@@ -373,8 +299,6 @@ class Trainer:
             self._print(f"starting {self.config.train.task} from scratch: world size "
                         f"{self.group.world_size}, {self.config.train.steps} steps")
             return
-        if self.env.restart_count:
-            self.events.emit("restart", restart=self.env.restart_count, step=restored.step)
         self._print(f"resumed from {restored.path} (step {restored.step}, saved at world size "
                     f"{restored.world_size}, now {self.group.world_size}; "
                     f"restart {self.env.restart_count})")
@@ -390,8 +314,7 @@ class Trainer:
         self.events.close()
         if self.group.rank != 0 or self.progress is None:
             return None
-        summary = summarize(read_events(Path(self.config.run_dir) / EVENTS_FILE),
-                            self.env.run_id)
+        summary = summarize(read_events(self.run_dir.events), self.env.run_id)
         for line in summary.lines():
             self._print(line)
         self.progress.close()

@@ -29,7 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic_train.events import EVENTS_FILE, read_events
+from elastic_train.events import read_events
+from elastic_train.rundir import RunDir
 from tests.etcd_server import EtcdServer, free_port
 from tests.integration import harness
 
@@ -52,7 +53,7 @@ def launch_to_first_step(backend: str, endpoint: str) -> tuple[float, Any]:
     finally:
         for node in nodes:
             node.stop()
-    rendezvous = next(e for e in read_events(run_dir / EVENTS_FILE)
+    rendezvous = next(e for e in read_events(RunDir(run_dir).events)
                       if e["event"] == "rendezvous")
     return first["time"] - started, rendezvous
 

@@ -50,6 +50,15 @@ from elastic_train.errors import (
     CheckpointWriteError,
     ElasticTrainError,
 )
+from elastic_train.event_schema import (
+    CheckpointDeleted,
+    CheckpointFailed,
+    CheckpointLeftoverRemoved,
+    CheckpointLoaded,
+    CheckpointSaved,
+    CheckpointSkipped,
+    CheckpointWaited,
+)
 from elastic_train.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -101,15 +110,15 @@ class CheckpointManager:
         """Rank 0: the newest checkpoint that verifies and fits, or why there is none."""
         for path in self.store.remove_leftovers():
             log.warning("removed %s, left by a save or deletion that did not finish", path)
-            self.events.emit("checkpoint_leftover_removed", path=str(path))
+            self.events.emit(CheckpointLeftoverRemoved(path=str(path)))
         infos = self.store.list()
         skipped: list[CheckpointInfo] = []
         for info in infos:
             verdict = self.store.verify(info)
             if not verdict.valid:
                 log.warning("skipping corrupt checkpoint %s: %s", info.path, verdict.problem)
-                self.events.emit("checkpoint_skipped", step=info.step, path=str(info.path),
-                                 problem=verdict.problem)
+                self.events.emit(CheckpointSkipped(step=info.step, path=str(info.path),
+                                                   problem=verdict.problem))
                 skipped.append(info)
                 continue
             try:
@@ -167,11 +176,12 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.last_saved_step = decision["step"]
         seconds = time.monotonic() - started
-        self.events.emit("checkpoint_loaded", step=decision["step"], path=str(path),
-                         model_digest=decision.get("model_digest"),
-                         saved_world_size=decision.get("world_size"),
-                         saved_time=decision.get("time"),
-                         world_size=self.group.world_size, seconds=round(seconds, 6))
+        self.events.emit(CheckpointLoaded(step=decision["step"], path=str(path),
+                                          model_digest=decision.get("model_digest"),
+                                          saved_world_size=decision.get("world_size"),
+                                          saved_time=decision.get("time"),
+                                          world_size=self.group.world_size,
+                                          seconds=round(seconds, 6)))
         return Restored(decision["step"], path, decision.get("world_size"), seconds)
 
     # ---- save ----------------------------------------------------------------------------
@@ -224,16 +234,15 @@ class CheckpointManager:
                 raise
             self.last_saved_step = step
             self.saved += 1
-            overlap = {} if pending is None else {
-                "copy_seconds": round(pending.copy_seconds or 0.0, 6),
-                "copy_wait_seconds": round(pending.training_waited, 6)}
-            self.events.emit("checkpoint_saved", step=step, path=str(info.path), reason=reason,
-                             bytes=info.size_bytes, model_digest=info.model_digest,
-                             snapshot_at=round(snapshot_at, 6),
-                             snapshot_seconds=round(snapshot_seconds, 6), **overlap,
-                             persist_seconds=round(time.monotonic() - began, 6),
-                             persist_cpu_seconds=round(time.thread_time() - cpu_began, 6),
-                             waited_seconds=round(waited, 6))
+            self.events.emit(CheckpointSaved(
+                step=step, path=str(info.path), reason=reason, bytes=info.size_bytes,
+                model_digest=info.model_digest, snapshot_at=round(snapshot_at, 6),
+                snapshot_seconds=round(snapshot_seconds, 6),
+                copy_seconds=None if pending is None else round(pending.copy_seconds or 0.0, 6),
+                copy_wait_seconds=None if pending is None else round(pending.training_waited, 6),
+                persist_seconds=round(time.monotonic() - began, 6),
+                persist_cpu_seconds=round(time.thread_time() - cpu_began, 6),
+                waited_seconds=round(waited, 6)))
 
         if wait:
             persist()
@@ -289,8 +298,8 @@ class CheckpointManager:
                             "to finish: checkpoints are due faster than the disk writes them "
                             "(said once; the run's count comes at its end)",
                             waited, result.step if result else "?")
-            self.events.emit("checkpoint_waited", seconds=round(waited, 6),
-                             step=result.step if result else None)
+            self.events.emit(CheckpointWaited(seconds=round(waited, 6),
+                                              step=result.step if result else None))
         if result is not None and result.error is not None and \
                 not isinstance(result.error, CheckpointWriteError):  # those were reported
             self.failures += 1
@@ -320,9 +329,9 @@ class CheckpointManager:
         try:
             info = self.store.write(step, snapshot, meta)
         except OSError as exc:
-            self.events.emit("checkpoint_failed", step=step, error=str(exc),
-                             policy=self.policy.on_save_failure)
+            self.events.emit(CheckpointFailed(step=step, error=str(exc),
+                                              policy=self.policy.on_save_failure))
             raise CheckpointWriteError(step, self.store.root, exc.strerror or str(exc)) from exc
         for path in self.store.apply_retention(self.policy.keep, newest=step):
-            self.events.emit("checkpoint_deleted", path=str(path), reason="retention")
+            self.events.emit(CheckpointDeleted(path=str(path), reason="retention"))
         return info

@@ -26,7 +26,8 @@ from typing import Any
 
 from elastic_train import cli
 from elastic_train.env import RENDEZVOUS_SECONDS
-from elastic_train.events import EVENTS_FILE, read_events
+from elastic_train.events import read_events
+from elastic_train.rundir import EVENTS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 

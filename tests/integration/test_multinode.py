@@ -37,7 +37,8 @@ from typing import Any
 
 import pytest
 
-from elastic_train.events import EVENTS_FILE, read_events
+from elastic_train.events import read_events
+from elastic_train.rundir import EVENTS_FILE
 from elastic_train.sampler import epoch_order
 from elastic_train.trainer import lr_factor
 from tests.etcd_server import EtcdServer, free_port

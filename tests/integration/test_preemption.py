@@ -59,7 +59,7 @@ def test_sigterm_stops_cleanly_and_the_rerun_loses_no_step(target: str, referenc
     saved = [e for e in events if e["event"] == "checkpoint_saved"]
     assert [(e["step"], e["reason"]) for e in saved] == [(stopped_at, "preemption")]
     out = job.output()
-    assert "stop requested (preemption): stopping at step" in out
+    assert "stop requested (preemption): stopped at step" in out
     assert "Traceback" not in out
     assert "Unable to shutdown process" not in out
     if target == "agent":

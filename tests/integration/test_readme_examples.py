@@ -15,7 +15,8 @@ import safetensors.torch
 
 from elastic_train import cli
 from elastic_train.checkpoint.storage import model_digest
-from elastic_train.events import EVENTS_FILE, read_events
+from elastic_train.events import read_events
+from elastic_train.rundir import EVENTS_FILE
 from tests.integration import harness, prom
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import resource
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,53 @@ def test_stop_stops_every_rank_and_fails_the_job_with_one_line(tmp_path: Path) -
     assert rerun.wait(TIMEOUT) == 0, rerun.report()
     loaded = of(rerun.events(), "checkpoint_loaded")
     assert loaded[-1]["step"] == last_good
+
+
+SESSION_SCRIPT = harness.REPO / "tests" / "integration" / "session_disk_full.py"
+
+
+def session_job(run_dir: Path, *args: str, max_restarts: int = 0) -> harness.Job:
+    """The hand-written loop of session_disk_full.py under plain torchrun, 2 workers."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(SESSION_SCRIPT),
+            str(run_dir), *args]
+    return harness.start(argv, run_dir)
+
+
+def test_a_session_loop_stops_every_rank_on_a_failed_save(tmp_path: Path) -> None:
+    """The same stop through ElasticSession: both ranks raise the one line at one step, the
+    agent's restart refuses to train on, and a rerun resumes from the last good checkpoint."""
+    run_dir = tmp_path / "run"
+    job = session_job(run_dir, "--fill", max_restarts=1)
+    try:
+        code = job.wait(TIMEOUT)
+    finally:
+        job.stop()
+    assert code == 1, job.report()
+    events = job.events()
+    (failed,) = of(events, "checkpoint_failed")
+    assert failed["step"] == 15 and "File too large" in failed["error"]
+    stopped = of(events, "stopped")
+    assert len(stopped) == 2                  # the stop, and the restart that refused to train
+    assert {(e["step"], e["failed_step"], e["last_good_step"]) for e in stopped} == {(16, 15, 10)}
+    assert max(e["step"] for e in of(events, "step")) == 16
+    assert [e["step"] for e in of(events, "checkpoint_saved")] == [5, 10]
+    assert sorted(step_dirs(run_dir)) == ["step-00000005", "step-00000010"]
+    assert all(row["valid"] for row in harness.checkpoint_listing(run_dir))
+    line = (f"stopped at step 16: checkpoint 15 could not be written under "
+            f"{run_dir / 'checkpoints'} (File too large) and on_save_failure is stop: free "
+            "space or fix permissions, then rerun the same command (it resumes from "
+            "checkpoint 10, which is intact)")
+    out = job.output().splitlines()
+    # Both ranks of the stop raise rank 0's line; both restarted ranks refuse with it.
+    assert sum(x.endswith(f"CheckpointStopError: {line}") for x in out) == 2, job.report()
+    assert sum(x.endswith(f"CheckpointStopError: not restarting: {line}")
+               for x in out) == 2, job.report()
+
+    rerun = session_job(run_dir)
+    assert rerun.wait(TIMEOUT) == 0, rerun.report()
+    events = rerun.events()
+    assert of(events, "checkpoint_loaded")[-1]["step"] == 10
+    assert max(e["step"] for e in of(events, "step")) == 40
+    assert of(events, "end")[-1]["step"] == 40

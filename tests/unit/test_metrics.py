@@ -279,11 +279,11 @@ def test_promtool_finds_nothing_to_lint(tmp_path: Path) -> None:
 def test_observers_see_every_record_also_where_the_log_is_off(tmp_path: Path) -> None:
     seen: list[dict[str, Any]] = []
     log = EventLog(tmp_path / "on.jsonl", observers=[seen.append])
-    log.emit("step", step=1, loss=2.0)
+    log.emit_raw("step", step=1, loss=2.0)
     log.close()
     assert [dict(r) for r in read_events(tmp_path / "on.jsonl")] == seen
     off = EventLog(tmp_path / "off.jsonl", enabled=False, observers=[seen.append])
-    off.emit("step", step=2)
+    off.emit_raw("step", step=2)
     assert seen[-1]["step"] == 2 and not (tmp_path / "off.jsonl").exists()
 
 

@@ -252,7 +252,7 @@ def _log(tmp_path: Path, records: list[dict[str, Any]]) -> Path:
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
     for record in records:
-        log.emit(record.pop("event"), **record)
+        log.emit_raw(record.pop("event"), **record)
     log.close()
     return path
 

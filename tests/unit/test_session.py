@@ -17,7 +17,8 @@ from elastic_train.batching import global_batch
 from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
-from elastic_train.events import EVENTS_FILE, read_events
+from elastic_train.events import read_events
+from elastic_train.rundir import EVENTS_FILE
 from elastic_train.session import ElasticSession
 
 
@@ -259,3 +260,14 @@ def test_a_step_loop_over_a_dataset_smaller_than_the_batch_is_refused(tmp_path: 
                                      "the dataset: use a smaller batch size or more data")
     finally:
         session._leave()
+
+
+def test_the_package_exports_what_a_user_of_a_session_meets() -> None:
+    import elastic_train
+
+    met = {"ElasticSession", "NodeStoppedError", "CheckpointStopError", "ConfigError", "Task",
+           "TaskContext"}
+    assert met <= set(elastic_train.__all__)
+    for name in elastic_train.__all__:
+        assert getattr(elastic_train, name) is not None
+    assert elastic_train.ElasticSession is ElasticSession

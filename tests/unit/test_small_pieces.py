@@ -193,8 +193,8 @@ def test_a_non_integer_master_port_is_named() -> None:
 def test_events_are_written_as_json_lines_and_read_back(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "events.jsonl"
     log = EventLog(path)
-    log.emit("start", run_id="r", world_size=2)
-    log.emit("step", step=1, loss=2.5)
+    log.emit_raw("start", run_id="r", world_size=2)
+    log.emit_raw("step", step=1, loss=2.5)
     # Flushed as they happen: a reader sees them before close (or a crash).
     assert [e["event"] for e in read_events(path)] == ["start", "step"]
     log.close()
@@ -205,7 +205,7 @@ def test_events_are_written_as_json_lines_and_read_back(tmp_path: Path) -> None:
     assert all(isinstance(e["time"], float) for e in events)
     # A new log on the same file appends.
     again = EventLog(path)
-    again.emit("end", step=1)
+    again.emit_raw("end", step=1)
     again.close()
     assert [e["event"] for e in read_events(path)] == ["start", "step", "end"]
 
@@ -213,7 +213,7 @@ def test_events_are_written_as_json_lines_and_read_back(tmp_path: Path) -> None:
 def test_a_disabled_log_writes_nothing(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "events.jsonl"
     log = EventLog(path, enabled=False)
-    log.emit("start", run_id="r")
+    log.emit_raw("start", run_id="r")
     log.close()
     assert not path.exists() and not path.parent.exists()
     assert list(read_events(path)) == []
@@ -222,8 +222,8 @@ def test_a_disabled_log_writes_nothing(tmp_path: Path) -> None:
 def test_a_torn_last_line_and_foreign_lines_are_skipped(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
-    log.emit("start", run_id="r")
-    log.emit("step", step=1, loss=1.0)
+    log.emit_raw("start", run_id="r")
+    log.emit_raw("step", step=1, loss=1.0)
     log.close()
     with open(path, "a") as f:
         f.write('[1, 2]\n{"no_event": 1}\n{"time": 1.0, "event": "st')
@@ -233,12 +233,12 @@ def test_a_torn_last_line_and_foreign_lines_are_skipped(tmp_path: Path) -> None:
 def test_the_event_after_a_torn_line_survives(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
-    log.emit("step", step=1, loss=1.0)
+    log.emit_raw("step", step=1, loss=1.0)
     log.close()
     with open(path, "a") as f:
         f.write('{"time": 2.0, "event": "step", "st')     # a crash mid-line
     restarted = EventLog(path)
-    restarted.emit("start", run_id="r", restart=1)
+    restarted.emit_raw("start", run_id="r", restart=1)
     restarted.close()
     assert [e["event"] for e in read_events(path)] == ["step", "start"]
 

@@ -1,10 +1,11 @@
 """``--on-save-failure stop``: every rank stops together when rank 0 cannot write a checkpoint.
 
-Rank 0's failed write (manager.py keeps it in ``failed``) becomes a vote folded into the
-all-reduce every step already does (trainer.py), like the preemption stop: all ranks leave
-the loop at the same step boundary. No checkpoint is attempted then (the disk just failed
-one); the last good one stays. Every rank raises the same one-line ``CheckpointStopError``
-(rank 0's message, broadcast), which only rank 0 prints.
+Rank 0's failed write (checkpoint/manager.py keeps it in ``failed``) becomes a vote folded
+into the all-reduce every step already does (runtime.py), like the preemption stop
+(preemption.py): all ranks leave the loop at the same step boundary. No checkpoint is
+attempted then (the disk just failed one); the last good one stays. Every rank raises the
+same one-line ``CheckpointStopError`` (rank 0's message, broadcast), which only rank 0
+prints.
 
 torch's agent restarts failed workers. A worker it restarts after such a stop, within the
 same launch, refuses to train on (the event log's ``stopped`` record says why), so the
@@ -21,15 +22,18 @@ from elastic_train import distributed
 from elastic_train.checkpoint.manager import CheckpointManager
 from elastic_train.distributed import Group
 from elastic_train.errors import CheckpointStopError
+from elastic_train.event_schema import Stopped
 from elastic_train.events import EventLog, Incarnation
 
 
-def stop_message(step: Any, failed_step: Any, root: Any, reason: Any, last_good: Any) -> str:
-    """The one line of a job stopped by ``--on-save-failure stop``."""
+def stop_message(step: Any, failed_step: Any, root: Any, reason: Any, last_good: Any,
+                 option: str = "--on-save-failure") -> str:
+    """The one line of a job stopped by ``--on-save-failure stop`` (``option``: how the
+    user set the policy)."""
     resume = (f"resumes from checkpoint {last_good}, which is intact" if last_good is not None
               else "starts from scratch: no checkpoint was written")
     return (f"stopped at step {step}: checkpoint {failed_step} could not be written under "
-            f"{root} ({reason}) and --on-save-failure is stop: free space or fix permissions, "
+            f"{root} ({reason}) and {option} is stop: free space or fix permissions, "
             f"then rerun the same command (it {resume})")
 
 
@@ -37,12 +41,13 @@ class SaveFailureStop:
     """The ``stop`` policy of one worker; inert under ``continue``."""
 
     def __init__(self, checkpoints: CheckpointManager, group: Group, events: EventLog,
-                 restart_count: int) -> None:
+                 restart_count: int, option: str = "--on-save-failure") -> None:
         self.enabled = checkpoints.policy.on_save_failure == "stop"
         self.checkpoints = checkpoints
         self.group = group
         self.events = events
         self.restart_count = restart_count
+        self.option = option
 
     def vote(self) -> bool:
         """This rank's vote to stop now (only rank 0 writes checkpoints)."""
@@ -65,7 +70,8 @@ class SaveFailureStop:
             failure = self.checkpoints.failed
             assert failure is not None
             last_good = self.checkpoints.last_saved_step
-            message = stop_message(step, failure.step, failure.root, failure.reason, last_good)
+            message = stop_message(step, failure.step, failure.root, failure.reason, last_good,
+                                   self.option)
             self._record(step, failure.step, failure.reason, last_good)
         raise CheckpointStopError(distributed.broadcast_json(self.group, message))
 
@@ -79,7 +85,7 @@ class SaveFailureStop:
             was = previous.stopped
             message = "not restarting: " + stop_message(
                 was.get("step"), was.get("failed_step"), root, was.get("error"),
-                was.get("last_good_step"))
+                was.get("last_good_step"), self.option)
             self._record(was.get("step"), was.get("failed_step"), was.get("error"),
                          was.get("last_good_step"))
         message = distributed.broadcast_json(self.group, message)
@@ -87,7 +93,6 @@ class SaveFailureStop:
             raise CheckpointStopError(message)
 
     def _record(self, step: Any, failed_step: Any, error: Any, last_good: Any) -> None:
-        self.events.emit("stopped", reason="checkpoint_failed", step=step,
-                         failed_step=failed_step, error=error, last_good_step=last_good,
-                         restart=self.restart_count)
-        self.events.close()
+        self.events.emit(Stopped(reason="checkpoint_failed", step=step, failed_step=failed_step,
+                                 error=error, last_good_step=last_good,
+                                 restart=self.restart_count))

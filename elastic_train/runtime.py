@@ -1,0 +1,250 @@
+"""One worker's protocol, in one place: start, restore, the per-step vote, stops, shutdown.
+
+The built-in trainer (trainer.py) and ElasticSession (session.py) are loops over this: each
+owns its step; the runtime owns what every rank must do in the same order around it.
+
+- ``start``: the ``start`` event, the rendezvous (and resize) that formed this world, and
+  the save-failure policy's refusal to restart a job it stopped.
+- ``restore``: every rank loads the newest valid checkpoint (checkpoint/manager.py).
+- ``vote`` at the end of every step: one small all-reduce carries the loss and every reason
+  to leave the loop (a SIGTERM on any rank; rank 0's failed checkpoint write under
+  ``--on-save-failure stop``), so every rank leaves at the same step.
+- ``save_if_due`` between steps; ``end`` after the loop: a failed-save stop raises the same
+  line on every rank; else the preemption or final checkpoint, a barrier, and the ``end``
+  event when the run is over (not after a stop: the launch may go on).
+- ``close``, then ``raise_if_node_stopped``: a node that was not signalled but stopped with
+  the signalled ones fails, so that its agent re-forms the world without them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic_train import distributed
+from elastic_train.checkpoint.manager import CheckpointManager, Restored, Stateful
+from elastic_train.checkpoint.storage import CheckpointStore
+from elastic_train.config import CheckpointConfig
+from elastic_train.distributed import Group
+from elastic_train.env import WorkerEnv
+from elastic_train.event_schema import End, Preempted, Rendezvous, Resize, Restart, Start
+from elastic_train.events import EventLog, EventObserver, Incarnation, previous_incarnation
+from elastic_train.preemption import StopRequest, node_stopped
+from elastic_train.rundir import RunDir
+from elastic_train.save_failure import SaveFailureStop
+
+
+@dataclass(frozen=True)
+class Vote:
+    """What every rank agreed at the end of one step."""
+
+    loss_sum: float
+    """The step's losses summed over the ranks (0.0 when the loop gave none)."""
+    stop: bool
+    """A SIGTERM reached some rank: checkpoint this step and leave the loop."""
+    save_failed: bool
+    """Rank 0 could not write a checkpoint and ``--on-save-failure`` is stop."""
+    stopped_nodes: tuple[int, ...] = ()
+    """The nodes (group ranks) whose workers got the signal."""
+
+    @property
+    def ends_loop(self) -> bool:
+        return self.stop or self.save_failed
+
+
+GO_ON = Vote(0.0, False, False)
+"""The vote of a loop that ran out of steps (or ran none)."""
+
+
+def say_on_stderr(text: str) -> None:
+    """How a hand-written loop's rank 0 is told what the runtime did."""
+    print(f"elastic_train: {text}", file=sys.stderr, flush=True)
+
+
+class WorkerRuntime:
+    """The protocol of one worker in one incarnation (one process group).
+
+    ``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit; None leaves
+    SIGTERM to Python. ``meta`` goes into every checkpoint's manifest. ``observers`` see
+    every event on this rank; ``say`` shows rank 0's messages to the user;
+    ``save_failure_option`` is how the user names the save-failure policy (in messages).
+    """
+
+    def __init__(self, run_dir: RunDir, env: WorkerEnv, group: Group, policy: CheckpointConfig,
+                 *, preemption_budget: float | None, meta: Mapping[str, Any] | None = None,
+                 observers: Sequence[EventObserver] = (),
+                 say: Callable[[str], None] = say_on_stderr,
+                 save_failure_option: str = "--on-save-failure") -> None:
+        self.run_dir = run_dir
+        self.env = env
+        self.group = group
+        self.events = EventLog(run_dir.events, enabled=group.rank == 0, observers=observers)
+        self.checkpoints = CheckpointManager(CheckpointStore(run_dir.checkpoints), group,
+                                             policy, self.events,
+                                             dict(meta or {"run_id": env.run_id}))
+        self.save_failure = SaveFailureStop(self.checkpoints, group, self.events,
+                                            env.restart_count, save_failure_option)
+        self.preemption = StopRequest(preemption_budget) \
+            if preemption_budget is not None else None
+        self.say = say
+        self.stopped_at: int | None = None
+        """The step the job stopped at (a SIGTERM), or None."""
+        self.stopped_nodes: tuple[int, ...] = ()
+        self._installed = False
+
+    # ---- life cycle ------------------------------------------------------------------------
+    def install(self) -> WorkerRuntime:
+        """Turn SIGTERM into a stop request (only possible on the main thread)."""
+        if self.preemption is not None and not self._installed \
+                and threading.current_thread() is threading.main_thread():
+            self.preemption.install()
+            self._installed = True
+        return self
+
+    def start(self, *, total_steps: int | None, threads: int | None = None,
+              config: Mapping[str, Any] | None = None) -> Incarnation | None:
+        """Every rank: log this incarnation's start and the rendezvous that formed it.
+
+        Returns the previous incarnation of this launch as the log tells it (rank 0 only).
+        Raises ``CheckpointStopError`` when the agent restarted a job the save-failure
+        policy stopped.
+        """
+        previous = (previous_incarnation(self.run_dir.events, self.env.run_id)
+                    if self.group.rank == 0 else None)
+        self.events.emit(Start(run_id=self.env.run_id, restart=self.env.restart_count,
+                               world_size=self.group.world_size, total_steps=total_steps,
+                               backend=self.group.backend, threads=threads, config=config))
+        if self.group.rank == 0:
+            self._record_rendezvous(previous)
+        self.save_failure.refuse_restart(previous, self.run_dir.checkpoints)
+        return previous
+
+    def _record_rendezvous(self, previous: Incarnation | None) -> None:
+        """The rendezvous that formed this world, and the resize if it is one.
+
+        ``seconds`` is torch's agent's own measurement of the rendezvous when
+        ``elastic-train run`` passed it on (rendezvous/timing.py), else null;
+        ``since_last_step_seconds`` is the time since the previous world's last step (the
+        failure or membership change, its detection, the rendezvous and this start-up);
+        ``previous_last_step`` and ``previous_last_seen`` (its newest event's time) give the
+        metrics the steps redone and the recovery time.
+        """
+        world = self.group.world_size
+        since = None
+        if previous is not None and previous.last_step_time is not None:
+            since = round(time.time() - previous.last_step_time, 3)
+        self.events.emit(Rendezvous(
+            restart=self.env.restart_count, world_size=world, nodes=self.env.group_world_size,
+            previous_world_size=previous.world_size if previous else None,
+            previous_last_step=previous.last_step if previous else None,
+            previous_last_seen=previous.last_seen if previous else None,
+            seconds=self.env.rendezvous_seconds, since_last_step_seconds=since))
+        if previous is not None and previous.world_size not in (None, world):
+            self.events.emit(Resize(old_world_size=previous.world_size, new_world_size=world,
+                                    nodes=self.env.group_world_size,
+                                    restart=self.env.restart_count,
+                                    since_last_step_seconds=since))
+
+    def restore(self, objects: Mapping[str, Stateful]) -> Restored | None:
+        """Every rank: load the newest valid checkpoint into ``objects`` (None: fresh run)."""
+        restored = self.checkpoints.restore(dict(objects))
+        if restored is not None and self.env.restart_count:
+            self.events.emit(Restart(restart=self.env.restart_count, step=restored.step))
+        return restored
+
+    # ---- the step boundary ---------------------------------------------------------------
+    @property
+    def votes_needed(self) -> bool:
+        """Whether anything but the loss can end the loop (else a loop without a loss to
+        reduce may skip the vote)."""
+        return self.preemption is not None or self.save_failure.enabled
+
+    def vote(self, loss_sum: torch.Tensor | float | None = None) -> Vote:
+        """Every rank, after each optimizer step: what all ranks agree on (one all-reduce).
+
+        ``loss_sum`` (this rank's, a tensor on the group's device avoids a sync) is summed
+        with the rest; without it and with nothing that can stop the loop, no collective
+        is made.
+        """
+        stop = self.preemption is not None and self.preemption.requested
+        save_failed = self.save_failure.vote()
+        if loss_sum is None and (self.group.world_size == 1 or not self.votes_needed):
+            vote = Vote(0.0, stop, save_failed, (self.env.group_rank,) if stop else ())
+        else:
+            # [loss sum, stop votes, save-failure stop, stop votes of node 0, node 1, ...]
+            tally = torch.zeros(3 + self.env.group_world_size, dtype=torch.float64,
+                                device=self.group.device)
+            if loss_sum is not None:
+                tally[0] = loss_sum
+            if stop:
+                tally[1] = tally[3 + self.env.group_rank] = 1.0
+            if save_failed:
+                tally[2] = 1.0
+            total, stops, failed, *by_node = distributed.sum_over_ranks(self.group, tally)
+            vote = Vote(total, stops > 0, failed > 0,
+                        tuple(node for node, v in enumerate(by_node) if v > 0))
+        if vote.stop:
+            self.stopped_nodes = vote.stopped_nodes
+        return vote
+
+    def save_if_due(self, step: int, objects: Mapping[str, Stateful],
+                    overlap_with: torch.optim.Optimizer | None = None) -> None:
+        """Between steps: a periodic checkpoint when the policy says one is due.
+
+        ``overlap_with``: the optimizer, when it alone changes the state (then the state's
+        copy overlaps the next forward and backward).
+        """
+        if self.checkpoints.due(step):
+            self.checkpoints.save(step, dict(objects), overlap_with=overlap_with)
+
+    def end(self, step: int, objects: Mapping[str, Stateful], vote: Vote = GO_ON, *,
+            then: Callable[[], None] | None = None) -> None:
+        """Every rank, after the loop: the end of the protocol for this incarnation.
+
+        A save-failure stop raises ``CheckpointStopError`` (the same line on every rank; the
+        last good checkpoint stays). Otherwise the preemption or final checkpoint of
+        ``step`` is written and waited for (none when ``objects`` is empty); ``then`` runs
+        on rank 0 after a final one (an export of the weights); every rank waits for the
+        others, and the ``end`` event marks a run that is over.
+        """
+        if vote.save_failed or self.save_failure.agreed_after_loop():
+            self.save_failure.stop(step)
+        if vote.stop:
+            self.stopped_at = step
+            fields = self.preemption.event_fields() if self.preemption is not None else {}
+            self.events.emit(Preempted(step=step, signal=fields.get("signal"),
+                                       rank_signalled=bool(fields.get("rank_signalled")),
+                                       seconds_since_signal=fields.get("seconds_since_signal")))
+        if objects:  # else nothing was registered to checkpoint (a loop without restore)
+            self.checkpoints.save(step, dict(objects),
+                                  reason="preemption" if vote.stop else "final", wait=True)
+            self.checkpoints.finish()
+        if then is not None and not vote.stop and self.group.rank == 0:
+            then()
+        distributed.barrier(self.group)
+        if vote.stop:
+            if self.group.rank == 0:
+                self.say(f"stop requested (preemption): stopped at step {step} with a "
+                         "checkpoint; rerun the same command to resume")
+        else:
+            # A stop on SIGTERM is no end: the agent also sends it to re-form the world
+            # (a node joined) and the launch goes on; its "preempted" event says enough.
+            self.events.emit(End(step=step, run_id=self.env.run_id))
+
+    def close(self) -> None:
+        """Give SIGTERM back and close the event log (on every path out, errors included)."""
+        if self._installed and self.preemption is not None:
+            self.preemption.uninstall()
+            self._installed = False
+        self.events.close()
+
+    def raise_if_node_stopped(self) -> None:
+        """After a stop: a node whose workers got no signal raises ``NodeStoppedError``."""
+        if self.stopped_at is not None and self.env.group_rank not in self.stopped_nodes:
+            raise node_stopped(list(self.stopped_nodes), self.stopped_at)
