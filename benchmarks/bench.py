@@ -4,6 +4,10 @@
     python benchmarks/bench.py --quick         # one repetition, small model only
     python benchmarks/bench.py --nproc 2,1     # steady state also with one worker, so that
                                                # a core is left to the writer (a GPU node)
+    python benchmarks/bench.py --skip-recovery --compare-with ../before
+                                               # before vs after a change: the job of
+                                               # another checkout (git worktree add
+                                               # ../before HEAD~1) in the same rotation
 
 Every figure is a ratio against a baseline measured in the same invocation (the machines
 are shared and noisy), with the median and the spread (min-max) over the repetitions:
@@ -27,6 +31,7 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,11 +86,22 @@ def _run_baseline(run_dir: Path, p: Preset, every: int) -> harness.Job:
     return harness.start(argv, run_dir, cwd=run_dir.parent)
 
 
-def _run_ours(run_dir: Path, p: Preset, every: int) -> harness.Job:
+def _run_ours(run_dir: Path, p: Preset, every: int, tree: Path | None = None) -> harness.Job:
+    """Our job; ``tree``: another checkout of elastic_train runs it (--compare-with)."""
     args = ["--preset", p.name, "--steps", str(p.steps), "--batch-size", str(p.batch),
             "--checkpoint-every", str(every) if every else "off", "--log-every", "1000",
             "--max-restarts", "3", "--warmup-steps", "0", "--nproc-per-node", str(p.nproc)]
-    return harness.elastic_run(run_dir, args)
+    env = None if tree is None else harness.job_env({"PYTHONPATH": str(tree)})
+    return harness.elastic_run(run_dir, args, env)
+
+
+def _package_of(tree: Path, cwd: Path) -> str:
+    """Where the job's ``elastic_train`` comes from when ``tree`` runs it in ``cwd``, as
+    the jobs run (a check)."""
+    out = subprocess.run([sys.executable, "-c", "import elastic_train; "
+                          "print(elastic_train.__file__)"], capture_output=True, text=True,
+                         env=harness.job_env({"PYTHONPATH": str(tree)}), cwd=cwd, check=True)
+    return out.stdout.strip()
 
 
 def _baseline_log(run_dir: Path) -> list[dict[str, Any]]:
@@ -178,11 +194,17 @@ def _finish(job: harness.Job, timeout: float) -> None:
         raise SystemExit(f"benchmark run failed ({code}):\n{job.report()}")
 
 
-def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
+def steady_state(tmp: Path, presets: list[Preset], reps: int,
+                 other: Path | None = None) -> None:
     print("\n## 1-2. Steady state and checkpoint stall")
+    if other is not None:
+        print(f"(also the job of {other}, whose package is {_package_of(other, tmp)}, in "
+              "the same rotation)")
     for p in presets:
         per_step: dict[str, list[float]] = {"base": [], "base+ckpt": [], "ours": [],
                                             "ours-nockpt": []}
+        if other is not None:
+            per_step.update({"other": [], "other-nockpt": []})
         stalls: dict[str, list[float]] = {"base": [], "ours": [], "ours-stall": []}
         saves: dict[str, list[float]] = {"snapshot": [], "copy": [], "copy_wait": [],
                                          "persist": [], "persist_cpu": []}
@@ -191,6 +213,10 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
             runs: list[tuple[str, Callable[[Path, Preset, int], harness.Job], int]] = [
                 ("base", _run_baseline, 0), ("base+ckpt", _run_baseline, p.every),
                 ("ours", _run_ours, p.every), ("ours-nockpt", _run_ours, 0)]
+            if other is not None:
+                def of_other(run_dir: Path, p: Preset, every: int) -> harness.Job:
+                    return _run_ours(run_dir, p, every, other)
+                runs += [("other", of_other, p.every), ("other-nockpt", of_other, 0)]
             # Rotate the order each repetition, and start every run with the previous one's
             # writes flushed: a run right after a checkpointing one would otherwise pay for
             # the kernel's write-back of its files.
@@ -236,8 +262,17 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int) -> None:
               f"{_ratio(per_step['ours-nockpt'], per_step['base'])} |")
         print(f"| step, ours with checkpoints | {_summary(per_step['ours'])} | "
               f"{_ratio(per_step['ours'], per_step['base'])} (target <= 1.02) |")
-        print("| CPU time stolen by the hypervisor during the runs (base, base+ckpt, ours, "
-              "ours without): " + ", ".join(
+        if other is not None:
+            print(f"| step, {other} without checkpoints | {_summary(per_step['other-nockpt'])}"
+                  f" | {_ratio(per_step['other-nockpt'], per_step['base'])} |")
+            print(f"| step, {other} with checkpoints | {_summary(per_step['other'])} | "
+                  f"{_ratio(per_step['other'], per_step['base'])} |")
+            print(f"| ours / {other}, without checkpoints | | "
+                  f"{_ratio(per_step['ours-nockpt'], per_step['other-nockpt'])} |")
+            print(f"| ours / {other}, with checkpoints | | "
+                  f"{_ratio(per_step['ours'], per_step['other'])} |")
+        print("| CPU time stolen by the hypervisor during the runs (" + ", ".join(steal) +
+              "): " + ", ".join(
                   f"{100 * statistics.median(v):.0f} %" for v in steal.values()) + " | | |")
         print(f"| stall per save, baseline torch.save | {_summary(stalls['base'])} | 1 |")
         print(f"| stall per save, ours (training waits: previous persist + copy at once + "
@@ -335,6 +370,9 @@ def main() -> int:
                         "writer, as the host CPUs of a GPU node do)")
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--skip-steady", action="store_true")
+    parser.add_argument("--compare-with", type=Path, metavar="TREE",
+                        help="another checkout (e.g. a git worktree of the previous commit) "
+                        "whose job runs in the same steady-state rotation: before vs after")
     ns = parser.parse_args()
     reps = 1 if ns.quick else ns.reps
     names = ["small"] if ns.quick else ns.presets.split(",")
@@ -343,7 +381,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="et-bench-"))
     print(f"# elastic_train benchmark ({time.strftime('%Y-%m-%d %H:%M')}, runs in {tmp})")
     if not ns.skip_steady:
-        steady_state(tmp, presets, reps)
+        steady_state(tmp, presets, reps, ns.compare_with)
     if not ns.skip_recovery:
         recovery(tmp, reps)
     return 0
