@@ -1,7 +1,7 @@
 """The one module that talks to etcd: a small key-value API over etcd's v3 JSON gateway.
 
-Everything the rendezvous needs from etcd is here — reads, writes, two compare-and-swap
-transactions, leases — on top of ``etcd3gw`` (plain HTTP, no grpc/protobuf pins). The
+Everything the rendezvous needs from etcd is here — reads, writes, compare-and-swap
+transactions, leases, watches — on top of ``etcd3gw`` (plain HTTP, no grpc/protobuf pins). The
 ``KV`` protocol is what the backend and the store use, so the client library is
 replaceable, and an in-memory implementation can stand in for unit tests.
 
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import json
+import queue
 import re
+import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -60,6 +62,41 @@ class EtcdUnreachableError(RendezvousConnectionError):
         super().__init__(message)
 
 
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change under a watched prefix."""
+
+    kind: str  # "put" or "delete"
+    key: str
+    value: bytes  # b"" for a delete
+    mod_revision: int  # the revision of this change
+    create_revision: int  # of the key (0 for a delete)
+
+
+class WatchCompacted(Exception):
+    """The watch's start revision was compacted away: re-read, then watch again."""
+
+    def __init__(self, compact_revision: int) -> None:
+        self.compact_revision = compact_revision
+        super().__init__(f"etcd compacted the revisions before {compact_revision} that the "
+                         "watch started from: re-read, then watch again")
+
+
+class Watch(Protocol):
+    """A stream of the changes under a key prefix (``KV.watch_prefix``)."""
+
+    def next(self, timeout: float) -> list[WatchEvent]:
+        """The events that arrived (in revision order), waiting up to ``timeout`` seconds for
+        the first; [] when none came. Raises EtcdUnreachableError when the stream broke
+        (etcd down or restarted) and WatchCompacted when the start revision is gone; after
+        either, the watch is dead (the caller re-reads and watches again)."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the watch (idempotent; makes a blocked next() return [] soon)."""
+        ...
+
+
 class LeaseNotFound(Exception):
     """A write named a lease that expired or was revoked; grant a new one and retry."""
 
@@ -101,6 +138,34 @@ class KV(Protocol):
     def grant_lease(self, ttl: int) -> int: ...
 
     def version(self) -> str: ...
+
+    def range_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` (sorted by key, with mod_revision AND create_revision)
+        and the store's revision at the read (a watch from revision + 1 misses nothing)."""
+        ...
+
+    def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, int]:
+        """Put ``key`` only if it does not exist (one txn); (created, the header revision)."""
+        ...
+
+    def put_many_if_absent(self, guard: str, items: Sequence[tuple[str, bytes]],
+                           lease: int = 0) -> bool:
+        """One txn: if ``guard`` does not exist, put every item (guard usually among them);
+        whether it did. len(items) <= MAX_TXN_OPS."""
+        ...
+
+    def keep_alive(self, lease: int) -> int:
+        """Renew a lease once; its TTL in seconds now, 0 if etcd no longer knows it (expired
+        or revoked)."""
+        ...
+
+    def revoke_lease(self, lease: int) -> None:
+        """Revoke a lease (its keys go at once); no error if it is already gone."""
+        ...
+
+    def watch_prefix(self, prefix: str, start_revision: int) -> Watch:
+        """Changes under ``prefix`` from ``start_revision`` on (inclusive)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -380,9 +445,279 @@ class EtcdKV:
 
         return self._call(f"granting a {ttl} s lease", fn)
 
+    def keep_alive(self, lease: int) -> int:
+        def fn(client: Any) -> int:
+            # A one-message stream on the gateway: the answer comes as {"result": {...}}, and
+            # without a TTL (not an error) when etcd no longer knows the lease.
+            result = client.post(client.get_url("/lease/keepalive"), json={"ID": str(lease)})
+            return int((result.get("result") or result).get("TTL", 0))
+
+        try:
+            return self._call(f"renewing lease {lease}", fn)
+        except LeaseNotFound:
+            return 0
+
+    def revoke_lease(self, lease: int) -> None:
+        def fn(client: Any) -> None:
+            client.post(client.get_url("/lease/revoke"), json={"ID": str(lease)})
+
+        try:
+            self._call(f"revoking lease {lease}", fn)
+        except LeaseNotFound:
+            pass  # expired or revoked already: what we wanted
+
+    def range_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        def fn(client: Any) -> tuple[list[KeyValue], int]:
+            result = client.post(client.get_url("/kv/range"), json={
+                "key": _b64(prefix), "range_end": _prefix_end(prefix),
+                "sort_order": "ASCEND", "sort_target": "KEY"})
+            kvs = [_key_value(raw) for raw in result.get("kvs") or []]
+            return kvs, int(result["header"]["revision"])
+
+        return self._call(f"reading the keys under {prefix}", fn)
+
+    def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, int]:
+        def fn(client: Any) -> tuple[bool, int]:
+            result = self._txn(client, [_absent(key)], [{"request_put": _put(key, value, lease)}],
+                               [])
+            return bool(result.get("succeeded", False)), int(result["header"]["revision"])
+
+        return self._call(f"creating {key}", fn)
+
+    def put_many_if_absent(self, guard: str, items: Sequence[tuple[str, bytes]],
+                           lease: int = 0) -> bool:
+        if len(items) > MAX_TXN_OPS:
+            raise ValueError(f"{len(items)} keys in one transaction: etcd allows "
+                             f"{MAX_TXN_OPS} (--max-txn-ops)")
+
+        def fn(client: Any) -> bool:
+            ops = [{"request_put": _put(k, v, lease)} for k, v in items]
+            return bool(self._txn(client, [_absent(guard)], ops, []).get("succeeded", False))
+
+        return self._call(f"creating {guard} and {len(items)} keys", fn)
+
+    def watch_prefix(self, prefix: str, start_revision: int) -> Watch:
+        operation = f"watching {prefix}"
+
+        def fn(client: Any) -> Any:
+            from etcd3gw import exceptions
+
+            if self._credentials.user:
+                # A cheap read first: it logs in (again, if the token expired) so that the
+                # stream below carries a valid token in the session's Authorization header.
+                client.post(client.get_url("/kv/range"), json={
+                    "key": _b64(prefix), "range_end": _prefix_end(prefix), "count_only": True})
+            request = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
+                                          "start_revision": str(start_revision)}}
+            # A read timeout until etcd confirms the watch (at once); _StreamWatch then lifts
+            # it, as a watch is idle for long.
+            response = client.session.post(client.get_url("/watch"), json=request,
+                                           stream=True, timeout=(self._timeout, self._timeout))
+            try:
+                if response.status_code != 200:
+                    if response.status_code in (408, 504):
+                        raise exceptions.ConnectionTimeoutError(response.text, response.reason)
+                    if response.status_code == 503:
+                        raise exceptions.ConnectionFailedError(response.text, response.reason)
+                    raise exceptions.Etcd3Exception(response.text, response.reason)
+                lines = response.iter_lines(chunk_size=None)
+                first = next((line for line in lines if line.strip()), None)
+                if first is None:
+                    raise exceptions.ConnectionFailedError("the stream ended at once")
+                try:
+                    message = json.loads(first)
+                except ValueError:
+                    raise exceptions.Etcd3Exception(json.dumps(
+                        {"message": f"not a watch answer: {first[:80]!r}"})) from None
+                refusal = _watch_refusal(message)
+                if refusal is not None:  # e.g. an expired token: _call logs in again
+                    raise exceptions.Etcd3Exception(json.dumps({"message": refusal}))
+            except BaseException:
+                response.close()
+                raise
+            return response, lines, message
+
+        response, lines, first = self._call(operation, fn)
+        return _StreamWatch(self.endpoint, prefix, response, lines, first)
+
+
+def _absent(key: str) -> dict[str, Any]:
+    """The txn compare "``key`` does not exist"."""
+    return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
 
 def _put(key: str, value: bytes, lease: int) -> dict[str, Any]:
     request: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
     if lease:
         request["lease"] = str(lease)
     return request
+
+
+# ---- watches ---------------------------------------------------------------------------------
+
+_WAKE = object()  # put on a watch's queue by cancel(): wakes a blocked next()
+
+
+class _WatchQueue:
+    """The consumer side of a watch: batches of events, or the error that ended the stream,
+    put on a queue by a producer (the stream's reader thread, or a fake etcd)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._failure: BaseException | None = None
+        self._cancelled = False
+
+    # producer side
+    def _push(self, events: list[WatchEvent]) -> None:
+        if events:
+            self._queue.put(events)
+
+    def _fail(self, error: BaseException) -> None:
+        self._queue.put(error)
+
+    # Watch
+    def next(self, timeout: float) -> list[WatchEvent]:
+        if self._cancelled:
+            return []
+        if self._failure is not None:
+            raise self._failure
+        try:
+            items = [self._queue.get(timeout=timeout) if timeout > 0
+                     else self._queue.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        events: list[WatchEvent] = []
+        for item in items:
+            if isinstance(item, BaseException):
+                self._failure = item  # nothing comes after it
+                break
+            if item is not _WAKE:
+                events.extend(item)
+        if self._cancelled:
+            return []
+        if self._failure is not None and not events:
+            raise self._failure
+        return events  # a failure behind them is raised by the next call
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            self._cancelled = True
+            self._queue.put(_WAKE)
+
+
+def _stream_socket(response: Any) -> socket.socket | None:
+    """The socket under a streamed ``requests`` response (urllib3 1.26 and 2.x)."""
+    raw = response.raw
+    sock = getattr(getattr(raw, "_connection", None), "sock", None)
+    if sock is None:
+        try:
+            sock = raw._fp.fp.raw._sock  # http.client's buffered socket reader
+        except AttributeError:
+            return None
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def _watch_refusal(message: dict[str, Any]) -> str | None:
+    """Why etcd refused or ended a watch (not for a compaction); None if it did not."""
+    if "error" in message:
+        error = message["error"]
+        detail = (error.get("message") if isinstance(error, dict) else None) or error
+        return str(detail)
+    result = message.get("result") or {}
+    if result.get("canceled") and not int(result.get("compact_revision", 0) or 0):
+        # "rpc error: code = Unauthenticated desc = etcdserver: invalid auth token"
+        reason = str(result.get("cancel_reason") or "etcd cancelled the watch")
+        return reason.split(" desc = ", 1)[-1]
+    return None
+
+
+def _watch_event(raw: dict[str, Any]) -> WatchEvent:
+    kv = raw.get("kv") or {}
+    if raw.get("type", "PUT") == "DELETE":
+        return WatchEvent("delete", _unb64(kv.get("key")).decode(), b"",
+                          int(kv.get("mod_revision", 0)), 0)
+    return WatchEvent("put", _unb64(kv.get("key")).decode(), _unb64(kv.get("value")),
+                      int(kv.get("mod_revision", 0)), int(kv.get("create_revision", 0)))
+
+
+class _StreamWatch(_WatchQueue):
+    """``Watch`` on one etcd gateway stream (POST /v3/watch), read by a daemon thread.
+
+    The gateway sends one JSON object a line: {"result": {...}} with "created": true first,
+    then "events" (type absent for a put, "DELETE"; revisions as strings), or "canceled"
+    with "compact_revision" when the start revision is compacted; {"error": ...} when the
+    gateway lost etcd. A connection reset or the end of the stream means etcd went away.
+    """
+
+    def __init__(self, endpoint: str, prefix: str, response: Any, lines: Iterator[bytes],
+                 first: dict[str, Any]) -> None:
+        super().__init__()
+        self.endpoint = endpoint
+        self.prefix = prefix
+        self._response = response
+        self._lines = lines
+        self._socket = _stream_socket(response)
+        if self._socket is not None:
+            self._socket.settimeout(None)  # idle for minutes is normal for a watch
+        goes_on = self._handle(first)  # "created", maybe with events
+        self._thread = threading.Thread(target=self._read, args=(goes_on,),
+                                        name=f"etcd-watch {prefix}", daemon=True)
+        self._thread.start()
+
+    def _broken(self, reason: str) -> EtcdUnreachableError:
+        return EtcdUnreachableError(self.endpoint, f"watching {self.prefix}: {reason}")
+
+    def _read(self, goes_on: bool) -> None:
+        try:
+            if not goes_on:
+                return
+            for line in self._lines:
+                if self._cancelled:
+                    return
+                if line.strip() and not self._handle(json.loads(line)):
+                    return
+            if not self._cancelled:
+                self._fail(self._broken("the stream ended"))
+        except Exception as exc:  # a reset, a truncated chunk, or our own cancel()
+            if not self._cancelled:
+                self._fail(self._broken(_reason(exc) if not isinstance(exc, ValueError)
+                                        else f"unreadable message ({exc})"))
+        finally:
+            try:
+                self._response.close()
+            except Exception:
+                pass
+
+    def _handle(self, message: dict[str, Any]) -> bool:
+        """Queue the events of one message, or the error it ends the watch with (False)."""
+        result = message.get("result") or {}
+        compact = int(result.get("compact_revision", 0) or 0)
+        if compact:
+            self._fail(WatchCompacted(compact))
+            return False
+        refusal = _watch_refusal(message)  # {"error": ...}, or cancelled by etcd
+        if refusal is not None:
+            self._fail(self._broken(refusal))
+            return False
+        self._push([_watch_event(raw) for raw in result.get("events") or []])
+        return True
+
+    def cancel(self) -> None:
+        if self._cancelled:
+            return
+        super().cancel()
+        # close() alone does not wake a recv() blocked in the reader thread; shutdown() does.
+        if self._socket is not None:
+            try:
+                self._socket.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
+            self._response.close()
+        except Exception:
+            pass

@@ -1,4 +1,6 @@
-"""The ``etcd-v3`` rendezvous handler: torch's ``DynamicRendezvousHandler`` on etcd v3.
+"""The ``etcd-v3`` rendezvous handler of ``design=state-key``: torch's
+``DynamicRendezvousHandler`` on etcd v3 (the default design, ``leases``, is
+lease_handler.py; ``create_handler`` picks).
 
 ``build_handler`` composes it from a ``KV`` (a real etcd or a fake): the backend holds the
 rendezvous state, the store serves the agents, one lease expires both. The handler is
@@ -130,7 +132,13 @@ def build_handler(kv: KV, options: EtcdV3Options, run_id: str, min_nodes: int,
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's creator for ``--rdzv-backend etcd-v3``."""
+    """torchrun's creator for ``--rdzv-backend etcd-v3``: ``design=leases`` (the default,
+    lease_handler.py) or ``design=state-key`` (this module)."""
     options = EtcdV3Options.parse(params.endpoint, params.config)
+    if options.design == "leases":
+        from elastic_train.rendezvous.lease_handler import LeaseRendezvousHandler
+
+        return LeaseRendezvousHandler(connect(options), options, params.run_id,
+                                      params.min_nodes, params.max_nodes, params.local_addr)
     return build_handler(connect(options), options, params.run_id, params.min_nodes,
                          params.max_nodes, params.local_addr)

@@ -31,21 +31,32 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "password": (None, "password of user (visible in the process list: prefer "
                  "password_file)"),
     "password_file": (None, "file holding the password of user"),
+    "design": ("leases", "leases: one key per node on its own lease, watches, one "
+               "transaction per round (scales to 1,000 nodes); state-key: torch's dynamic "
+               "rendezvous in one key (the previous design, O(N^2) writes)"),
+    "lease_ttl": (10, "design=leases: seconds after which a node whose agent stopped "
+                  "renewing its lease (dead, cut off) is gone from the rendezvous"),
     "join_timeout": (600.0, "seconds a node waits for a rendezvous round to complete"),
     "last_call_timeout": (LAST_CALL_TIMEOUT, "seconds a round stays open for more nodes "
                           "once it has the minimum"),
     "close_timeout": (30.0, "seconds to mark the rendezvous closed at the end"),
-    "heartbeat_timeout": (5.0, "seconds one keep-alive heartbeat may take"),
-    "keep_alive_interval": (KEEP_ALIVE_INTERVAL, "seconds between a node's heartbeats"),
-    "keep_alive_max_attempt": (KEEP_ALIVE_MAX_ATTEMPT, "heartbeat intervals after which a "
-                               "silent node counts as dead (at least 2 + 3 s / "
-                               "keep_alive_interval)"),
+    "heartbeat_timeout": (5.0, "design=state-key: seconds one keep-alive heartbeat may "
+                          "take"),
+    "keep_alive_interval": (KEEP_ALIVE_INTERVAL, "design=state-key: seconds between a "
+                            "node's heartbeats"),
+    "keep_alive_max_attempt": (KEEP_ALIVE_MAX_ATTEMPT, "design=state-key: heartbeat "
+                               "intervals after which a silent node counts as dead (at "
+                               "least 2 + 3 s / keep_alive_interval)"),
     "read_timeout": (60.0, "seconds a store read waits for another agent's key"),
     "request_timeout": (10.0, "seconds one request to etcd may take"),
     "connect_timeout": (30.0, "seconds to keep retrying an etcd that does not answer, at "
                         "start and when a rendezvous is due, before the agent fails"),
     "state_ttl": (7200, "seconds the keys outlive their last write (0: forever)"),
 }
+
+DESIGNS = ("leases", "state-key")
+# Heartbeats of torch's dynamic rendezvous: design=state-key only.
+HEARTBEAT_SETTINGS = ("keep_alive_interval", "keep_alive_max_attempt", "heartbeat_timeout")
 
 # Set by torchrun for every backend (``timeout`` is always there): accepted, not used.
 _GENERIC = {"timeout", "rank", "is_host", "store_type", "local_addr"}
@@ -108,6 +119,8 @@ class EtcdV3Options:
     endpoint: Endpoint
     credentials: Credentials = field(default_factory=Credentials)
     key_prefix: str = SETTINGS["key_prefix"][0]
+    design: str = SETTINGS["design"][0]
+    lease_ttl: int = SETTINGS["lease_ttl"][0]
     join_timeout: float = SETTINGS["join_timeout"][0]
     last_call_timeout: float = SETTINGS["last_call_timeout"][0]
     close_timeout: float = SETTINGS["close_timeout"][0]
@@ -152,15 +165,34 @@ class EtcdV3Options:
         if not prefix.startswith("/") or prefix.rstrip("/") == "":
             raise RendezvousConfigError(f"--rdzv-conf key_prefix={prefix} is invalid: use an "
                                         "absolute key like /jobs/rendezvous")
+        design = text.get("design", SETTINGS["design"][0])
+        if design not in DESIGNS:
+            raise RendezvousConfigError(f"--rdzv-conf design={design} is invalid: use "
+                                        f"{' or '.join(DESIGNS)}")
         interval = _number(text, "keep_alive_interval", float)
         attempts = _number(text, "keep_alive_max_attempt", int)
-        check_keep_alive(interval, attempts)
+        lease_ttl = _number(text, "lease_ttl", int)
+        if design == "leases":
+            given = [name for name in HEARTBEAT_SETTINGS if name in text]
+            if given:
+                raise RendezvousConfigError(
+                    f"--rdzv-conf {given[0]} does not apply to the etcd-v3 rendezvous, which "
+                    "notices a dead node when its lease expires: set lease_ttl=SECONDS "
+                    f"(default {SETTINGS['lease_ttl'][0]}) instead, or design=state-key for "
+                    "the previous, heartbeat-based design")
+            if lease_ttl < 2:
+                raise RendezvousConfigError(f"--rdzv-conf lease_ttl={lease_ttl} is invalid: "
+                                            "use at least 2 seconds")
+        else:
+            check_keep_alive(interval, attempts)
         return cls(
             endpoint=parse_endpoint(endpoint, protocol),
             credentials=Credentials(ca_cert=text.get("ca_cert"), cert=text.get("ssl_cert"),
                                     key=text.get("ssl_cert_key"), user=text.get("user"),
                                     password=password),
             key_prefix=prefix.rstrip("/"),
+            design=design,
+            lease_ttl=lease_ttl,
             join_timeout=_number(text, "join_timeout", float),
             last_call_timeout=_number(text, "last_call_timeout", float),
             close_timeout=_number(text, "close_timeout", float),

@@ -18,15 +18,20 @@ import pytest
 
 from elastic_train.rendezvous.handler import connect
 from elastic_train.rendezvous.options import EtcdV3Options
+from elastic_train.rendezvous.rounds import RoundKeys
 from tests.etcd_server import EtcdServer, free_port
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 180
-# A node is dead after 5 s without a heartbeat; a round closes 1 s after its minimum.
-FAST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+# A node is dead 5 s after its agent stopped renewing its lease; a round closes 1 s after
+# its minimum.
+FAST = "last_call_timeout=1,lease_ttl=5,join_timeout=60"
 DEAD_AFTER = 5.0
+# The previous design (torch's dynamic rendezvous in one key), whose leftovers expire.
+FAST_STATE_KEY = ("design=state-key,last_call_timeout=1,keep_alive_interval=1,"
+                  "keep_alive_max_attempt=5,join_timeout=60")
 # Paced at 0.2 s a step, the test's phases (to step 10, 7 s down, etcd's restart, 6 s up)
 # take at most ~90 steps before the kill; the rest is the recovery's.
 JOB = ["--preset", "tiny", "--batch-size", "32", "--steps", "110", "--checkpoint-every", "10",
@@ -69,7 +74,7 @@ def test_training_goes_on_while_etcd_is_down_and_restarts_after_it_is_back(
         job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 10, TIMEOUT)
         down_at = time.time()
         own_etcd.kill()
-        # Longer than the dead-node timeout: every heartbeat in etcd is older than that.
+        # Longer than the lease: no agent could renew its lease while etcd was down.
         while_down = job.wait_for_event(step_after(down_at + DEAD_AFTER + 2), TIMEOUT)
         own_etcd.restart()
         back_at = time.time()
@@ -116,7 +121,7 @@ def test_plain_torchrun_retries_an_unreachable_etcd_then_fails_naming_it(tmp_pat
     assert result.returncode != 0
     assert 3 <= elapsed < 60, elapsed
     assert (f"EtcdUnreachableError: cannot reach etcd at http://127.0.0.1:{port} for 3 s "
-            f"(reading /elastic_train/rendezvous/gone/state: [Errno 111] Connection refused): "
+            f"(reading /elastic_train/rendezvous/gone/closed: [Errno 111] Connection refused): "
             "check that etcd runs there and --rdzv-endpoint, or wait longer with --rdzv-conf "
             "connect_timeout=SECONDS") in result.stderr
     assert not (tmp_path / "run").exists()  # no worker started
@@ -126,12 +131,16 @@ def state_key(run_id: str) -> str:
     return f"/elastic_train/rendezvous/{run_id}/state"
 
 
+@pytest.mark.parametrize("design", ["leases", "state-key"])
 def test_a_dead_jobs_rendezvous_blocks_no_new_job(tmp_path: Path, etcd_v3: EtcdServer,
-                                                  request: pytest.FixtureRequest) -> None:
+                                                  request: pytest.FixtureRequest,
+                                                  design: str) -> None:
     """A job SIGKILLed with its agent leaves its rendezvous in etcd (never closed). A job
-    with another run id starts at once; the dead one's id is usable again once its short
-    state_ttl ran out."""
-    conf = f"{FAST},state_ttl=6"
+    with another run id starts at once. The dead one's id: with design=leases at once too
+    (a new job joins the next round; the dead node's keys go with its lease), with
+    design=state-key once its short state_ttl ran out."""
+    leases = design == "leases"
+    conf = f"{FAST if leases else FAST_STATE_KEY},state_ttl=6"
     short = ["--preset", "tiny", "--batch-size", "32", "--steps", "5", "--log-every", "5"]
     kv = connect(EtcdV3Options.parse(etcd_v3.endpoint, {}))
     dead = harness.elastic_run(tmp_path / "dead", [*etcd_v3_args(etcd_v3.endpoint, "dead", conf),
@@ -141,11 +150,19 @@ def test_a_dead_jobs_rendezvous_blocks_no_new_job(tmp_path: Path, etcd_v3: EtcdS
         dead.kill_node()
     finally:
         dead.stop()
-    assert kv.get(state_key("dead")) is not None  # left behind, not closed
+    keys = RoundKeys.of("/elastic_train/rendezvous", "dead")
+    if leases:
+        assert kv.get(keys.latest) is not None and kv.get(keys.closed) is None  # not closed
+        gone = time.monotonic()  # the dead node's key goes with its lease (5 s)
+        while kv.count_prefix(keys.nodes(0)) > 0:
+            assert time.monotonic() - gone < 5 + 5, "the dead node's key outlived its lease"
+            time.sleep(0.1)
+    else:
+        assert kv.get(state_key("dead")) is not None  # left behind, not closed
 
     timings = {}
     for run_id in ("other", "dead"):
-        if run_id == "dead":  # its keys expire with their lease: poll, with a deadline
+        if run_id == "dead" and not leases:  # its keys expire with their lease: poll
             deadline = time.monotonic() + 30
             while kv.get(state_key("dead")) is not None:
                 assert time.monotonic() < deadline, "the dead job's state never expired"
@@ -161,7 +178,7 @@ def test_a_dead_jobs_rendezvous_blocks_no_new_job(tmp_path: Path, etcd_v3: EtcdS
         timings[run_id] = time.monotonic() - began
         assert [e["step"] for e in job.events() if e["event"] == "step"] == [1, 2, 3, 4, 5]
     assert max(timings.values()) < 90, timings
-    line = f"after a dead job: another run id {timings['other']:.1f} s to the end, " \
-           f"the dead one's id after its lease expired {timings['dead']:.1f} s"
+    line = f"after a dead job ({design}): another run id {timings['other']:.1f} s to the " \
+           f"end, the dead one's id {timings['dead']:.1f} s"
     request.node.user_properties.append(("measured", line))
     print(line)

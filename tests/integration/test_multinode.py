@@ -62,6 +62,8 @@ JOB = [
 # Fast failure detection for a test: a node is dead after 5 s without heartbeat, and a
 # round closes 1 s after its minimum is there.
 FAST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+# etcd-v3 notices a dead node by its lease (design=leases): gone 3 s after its agent died.
+FAST_V3 = "last_call_timeout=1,lease_ttl=3,join_timeout=60"
 
 
 @dataclass
@@ -219,7 +221,7 @@ def test_etcd_v3_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v3: Et
     def start(name: str) -> harness.Job:
         command = torchrun if name == "node-c" else elastic
         return readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v3.endpoint},
-                           tmp_path.name, FAST, JOB)
+                           tmp_path.name, FAST_V3, JOB)
 
     measured = lose_a_node_and_add_one(run_dir, start, victim="rank0")
     events = check_the_log(run_dir)
@@ -240,7 +242,7 @@ def test_etcd_v3_a_preempted_node_leaves_and_the_other_goes_on(tmp_path: Path,
     run_dir = tmp_path / "run"
     job = [*JOB, "--task-opt", "pace_world_1=0.02"]  # no node joins later: no need to wait
     nodes = [readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v3.endpoint},
-                         tmp_path.name, FAST, job) for name in ("node-a", "node-b")]
+                         tmp_path.name, FAST_V3, job) for name in ("node-a", "node-b")]
     try:
         nodes[0].wait_for_event(step_at(2, min_step=12), TIMEOUT)
         preempted = node_hosting_rank0(*nodes)  # it also writes the checkpoint, then leaves

@@ -115,10 +115,13 @@ def test_an_etcd_that_comes_up_during_the_retries_is_used(tmp_path: Path) -> Non
                            "mean 'last_call_timeout'?); known: key_prefix, protocol, "),
     ("join_timeout=soon", "--rdzv-conf join_timeout=soon is invalid: expected a number of "
                           "seconds"),
-    ("keep_alive_interval=1,keep_alive_max_attempt=3",
+    ("design=state-key,keep_alive_interval=1,keep_alive_max_attempt=3",
      "--rdzv-conf keep_alive_interval=1 with keep_alive_max_attempt=3 declares a node dead "
      "after 3 s, but a live node's heartbeat can be 5 s old: use keep_alive_max_attempt=5 "
      "or more"),
+    ("keep_alive_interval=1", "--rdzv-conf keep_alive_interval does not apply to the etcd-v3 "
+                              "rendezvous, which notices a dead node when its lease expires: "
+                              "set lease_ttl=SECONDS (default 10) instead"),
     ("ssl_cert=/nonexistent.pem,ssl_cert_key=/x.key",
      "--rdzv-conf ssl_cert=/nonexistent.pem: no such file"),
     ("ca_cert=/nonexistent/ca.pem", "--rdzv-conf ca_cert=/nonexistent/ca.pem: no such file"),

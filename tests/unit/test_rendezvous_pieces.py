@@ -70,6 +70,7 @@ def test_defaults_and_every_option(tmp_path: Path) -> None:
     assert (defaults.key_prefix, defaults.last_call_timeout, defaults.join_timeout) == \
         ("/elastic_train/rendezvous", 5.0, 600.0)
     assert (defaults.keep_alive_interval, defaults.keep_alive_max_attempt) == (5.0, 3)
+    assert (defaults.design, defaults.lease_ttl) == ("leases", 10)
     assert (defaults.state_ttl, defaults.read_timeout, defaults.request_timeout,
             defaults.connect_timeout) == (7200, 60.0, 10.0, 30.0)
     files = {}
@@ -81,6 +82,7 @@ def test_defaults_and_every_option(tmp_path: Path) -> None:
         "key_prefix": "/jobs/rdzv/", "ca_cert": str(files["ca.pem"]),
         "ssl_cert": str(files["cert.pem"]), "ssl_cert_key": str(files["key.pem"]),
         "user": "trainer", "password_file": str(tmp_path / "pw"), "join_timeout": "60",
+        "design": "state-key",  # the heartbeat settings are that design's
         "last_call_timeout": "0.5", "close_timeout": "3", "heartbeat_timeout": "2",
         "keep_alive_interval": "1", "keep_alive_max_attempt": "6", "read_timeout": "9",
         "request_timeout": "4", "state_ttl": "0", "connect_timeout": "7"})
@@ -92,6 +94,8 @@ def test_defaults_and_every_option(tmp_path: Path) -> None:
             options.heartbeat_timeout, options.keep_alive_interval,
             options.keep_alive_max_attempt, options.read_timeout, options.request_timeout,
             options.state_ttl, options.connect_timeout) == (60, 0.5, 3, 2, 1, 6, 9, 4, 0, 7)
+    assert options.design == "state-key"
+    assert EtcdV3Options.parse("h", {"lease_ttl": "30"}).lease_ttl == 30
 
 
 @pytest.mark.parametrize(("conf", "message"), [
@@ -101,6 +105,12 @@ def test_defaults_and_every_option(tmp_path: Path) -> None:
     ({"state_ttl": "-1"}, "--rdzv-conf state_ttl=-1 is invalid: it must be >= 0"),
     ({"ssl_cert": "/c"}, "--rdzv-conf needs both ssl_cert and ssl_cert_key for a client "
                          "certificate"),
+    ({"design": "ring"}, "--rdzv-conf design=ring is invalid: use leases or state-key"),
+    ({"lease_ttl": "1"}, "--rdzv-conf lease_ttl=1 is invalid: use at least 2 seconds"),
+    ({"keep_alive_max_attempt": "5"},
+     "--rdzv-conf keep_alive_max_attempt does not apply to the etcd-v3 rendezvous, which "
+     "notices a dead node when its lease expires: set lease_ttl=SECONDS (default 10) "
+     "instead, or design=state-key for the previous, heartbeat-based design"),
     ({"user": "u", "password_file": "/nonexistent/pw"},
      "--rdzv-conf password_file=/nonexistent/pw cannot be read (No such file or directory): "
      "give a readable file"),

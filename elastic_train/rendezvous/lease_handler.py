@@ -1,0 +1,357 @@
+"""The ``etcd-v3`` rendezvous, designed for etcd: one key per node on its lease, watches, one
+transaction to close a round (``design=leases``, the default).
+
+torch's dynamic rendezvous keeps the whole rendezvous in one value that every join and
+every heartbeat rewrites by compare-and-swap: N nodes cost O(N²) attempts, and a dead node
+is noticed after its heartbeats are judged stale. Here (keys: rounds.py):
+
+- joining round r is one write: ``round/r/node/<node>`` on the node's lease (node_lease.py);
+- the first node to create ``round/r/ctl/coordinator`` (one txn) closes the round: it
+  reads the round's node keys once, watches them, and when torch's rule says so (``max``
+  nodes, or ``min`` nodes for ``last_call`` seconds) writes ``round/r/ctl/world`` (the
+  members in rank order) and ``latest`` in one transaction that only the first close can
+  win. Every other node watches ``round/r/ctl/`` only: O(1) events per node, and a new
+  coordinator when the old one's lease expires;
+- a node that joined too late for round r finds itself missing from the world and joins
+  round r + 1; the first to do so creates its coordinator key, which the members watch
+  (``num_nodes_waiting``): a few events per member, not one per joining node;
+- a member whose lease expires (its agent died, or was cut off for ``lease_ttl``) vanishes
+  from ``round/r/node/``: every other member's watch sees the delete and reports a waiting
+  node, so the agents re-form the world without it; a node whose own lease is gone rejoins.
+
+Requests per node per rendezvous: O(1) (read ``latest``, write the node key, one txn to
+try the coordinator key, one watch); the coordinator also reads the round once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elastic_train.agent_env import set_rendezvous_seconds
+from elastic_train.rendezvous.backend import BACKEND_NAME
+from elastic_train.rendezvous.client import (
+    KV,
+    EtcdUnreachableError,
+    LeaseNotFound,
+    Watch,
+    WatchCompacted,
+)
+from elastic_train.rendezvous.lease import SharedLease
+from elastic_train.rendezvous.node_lease import NodeLease
+from elastic_train.rendezvous.options import EtcdV3Options
+from elastic_train.rendezvous.outage import Outage, retry_unreachable
+from elastic_train.rendezvous.rounds import RoundKeys, RoundTally, World
+from elastic_train.rendezvous.store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+_POLL = 1.0  # seconds a wait blocks on a watch before it checks its deadline again
+
+T = TypeVar("T")
+
+
+def new_node_id(local_addr: str | None) -> str:
+    """This agent's name in the rendezvous: host, pid and a random part (unique per run)."""
+    host = (local_addr or socket.getfqdn()).replace("/", "_")
+    return f"{host}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+
+
+class LeaseRendezvousHandler(RendezvousHandler):
+    """torch's ``RendezvousHandler`` on per-node keys, leases and watches (module doc)."""
+
+    def __init__(self, kv: KV, options: EtcdV3Options, run_id: str, min_nodes: int,
+                 max_nodes: int, local_addr: str | None = None) -> None:
+        if not run_id:
+            raise ValueError("the rendezvous run id must be a non-empty string: pass --rdzv-id")
+        self._kv = kv
+        self._options = options
+        self._run_id = run_id
+        self._min_nodes = min_nodes
+        self._max_nodes = max_nodes
+        self._local_addr = local_addr
+        self.node = new_node_id(local_addr)
+        self.keys = RoundKeys.of(options.key_prefix, run_id)
+        self._lease = NodeLease(kv, options.lease_ttl)
+        self._job_lease = SharedLease(kv, options.state_ttl)
+        self._store = EtcdStore(kv, self.keys.store, self._job_lease,
+                                timedelta(seconds=options.read_timeout))
+        self._outage = Outage(kv.endpoint, options.lease_ttl)
+        self.world: World | None = None
+        self._monitors: list[Watch] = []
+        self._waiting = False  # a node waits for the next round (it created its coordinator)
+        self._lost: set[str] = set()  # members whose lease expired
+        self._member_key: str | None = None  # our node key in the round we are a member of
+        self._closed = False
+
+    # ---- torch's contract ------------------------------------------------------------------
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # workers form their group on rank 0's own TCPStore (MASTER_ADDR/PORT)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        started = time.monotonic()
+        world = retry_unreachable(self._join, self._options.connect_timeout)
+        set_rendezvous_seconds(time.monotonic() - started)
+        rank = world.members.index(self.node)
+        store = PrefixStore(f"torch.rendezvous.{self._run_id}.{world.round}", self._store)
+        info = RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
+        log.info("node %s joined round %d of rendezvous %s as rank %d of %d", self.node,
+                 world.round, self._run_id, rank, len(world.members))
+        return RendezvousInfo(store, rank, len(world.members), info)
+
+    def is_closed(self) -> bool:
+        if self._closed:
+            return True
+        try:
+            self._closed = self._kv.get(self.keys.closed) is not None
+        except EtcdUnreachableError as exc:
+            self._outage.failed(exc)
+            return False
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._kv.put(self.keys.closed, b"1", self._job_lease.current())
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        """Whether the world must re-form, as torch's agent reads it (> 0): 1 when a node
+        waits for the next round, plus 1 when a member's lease expired, or 1 when our own
+        did. Reads the members' watches, not etcd."""
+        if self.world is None:
+            return 0
+        if self._lease.lost:
+            return 1
+        try:
+            self._drain_monitor()
+        except EtcdUnreachableError as exc:
+            self._outage.failed(exc)
+            self._stop_monitor()
+            return 0  # nobody can join while etcd is down: train on
+        self._outage.reached()
+        return (1 if self._waiting else 0) + (1 if self._lost else 0)
+
+    def leave(self) -> None:
+        """Leave without closing the rendezvous: stop watching and revoke this node's lease
+        (its keys go at once, so the others see it leave at once)."""
+        self._stop_monitor()
+        self._lease.revoke()
+
+    def shutdown(self) -> bool:
+        self._stop_monitor()
+        try:
+            self.set_closed()
+            return True
+        except EtcdUnreachableError as exc:
+            log.warning("could not mark rendezvous %s closed: %s", self._run_id, exc)
+            return False
+        finally:
+            self._lease.revoke()
+
+    # ---- joining ------------------------------------------------------------------------
+    def _join(self) -> World:
+        self._stop_monitor()
+        self.world = None
+        if self._closed or self._kv.get(self.keys.closed) is not None:  # etcd must answer
+            raise RendezvousClosedError(f"rendezvous {self._run_id} is closed: the job ended")
+        deadline = time.monotonic() + self._options.join_timeout
+        latest = self._kv.get(self.keys.latest)
+        number = int(latest.value) + 1 if latest is not None else 0
+        while True:
+            key = self.keys.node(number, self.node)
+            self._on_lease(lambda lease, key=key: self._kv.put(key, self._describe(), lease))
+            world, revision = self._await_world(number, deadline)
+            if self.node in world.members:
+                break
+            # Too late for this round (or beyond its maximum): the next one.
+            self._kv.delete(key)
+            number = world.round + 1
+        if self._member_key is not None and self._member_key != key:
+            self._kv.delete(self._member_key)  # the round before: its members re-formed too
+        self._member_key = key
+        self.world = world
+        self._start_monitor(revision + 1)
+        self._outage.reached()
+        return world
+
+    def _on_lease(self, write: Callable[[int], T]) -> T:
+        """``write(lease)`` with this node's lease; a fresh lease if etcd forgot ours (we
+        were cut off for longer than lease_ttl: our old keys are gone)."""
+        try:
+            return write(self._lease.ensure())
+        except LeaseNotFound:
+            self._lease.forget()
+            return write(self._lease.ensure())
+
+    def _describe(self) -> bytes:
+        return json.dumps({"addr": self._local_addr or socket.getfqdn(),
+                           "pid": os.getpid()}).encode()
+
+    def _await_world(self, number: int, deadline: float) -> tuple[World, int]:
+        """The world of round ``number`` and the revision it was written at: closed by us
+        as its coordinator, or by another node."""
+        coordinator = self.keys.coordinator(number)
+        while True:
+            created, _ = self._on_lease(
+                lambda lease: self._kv.create(coordinator, self.node.encode(), lease))
+            found = self._coordinate(number, deadline) if created \
+                else self._follow(number, deadline)
+            if found is not None:
+                return found
+            # The coordinator's lease expired before it closed the round: take over.
+
+    def _follow(self, number: int, deadline: float) -> tuple[World, int] | None:
+        """Wait for round ``number``'s world; None when its coordinator vanished first."""
+        ctl = self.keys.ctl(number)
+        world_key, coordinator_key = self.keys.world(number), self.keys.coordinator(number)
+        kvs, revision = self._kv.range_prefix(ctl)
+        present = {kv.key: kv for kv in kvs}
+        if world_key in present:
+            found = present[world_key]
+            return World.decode(found.value, world_key), found.mod_revision
+        if coordinator_key not in present:
+            return None
+        if present[coordinator_key].value == self.node.encode():
+            # Ours: an earlier attempt of this join created it, and its answer was lost.
+            return self._coordinate(number, deadline)
+        watch = self._kv.watch_prefix(ctl, revision + 1)
+        try:
+            while True:
+                self._check_deadline(number, deadline)
+                for event in watch.next(_POLL):
+                    if event.key == world_key and event.kind == "put":
+                        return World.decode(event.value, world_key), event.mod_revision
+                    if event.key == coordinator_key and event.kind == "delete":
+                        return None
+        except WatchCompacted:
+            return self._follow(number, deadline)
+        finally:
+            watch.cancel()
+
+    def _coordinate(self, number: int, deadline: float) -> tuple[World, int]:
+        """As round ``number``'s coordinator: close it when torch's rule says so."""
+        tally = RoundTally(self._min_nodes, self._max_nodes, self._options.last_call_timeout)
+        previous: tuple[str, ...] = ()
+        if number > 0:
+            before = self._kv.get(self.keys.world(number - 1))
+            if before is not None:
+                previous = World.decode(before.value, self.keys.world(number - 1)).members
+        nodes = self.keys.nodes(number)
+        kvs, revision = self._kv.range_prefix(nodes)
+        now = time.monotonic()
+        for kv in kvs:
+            tally.joined(kv.key[len(nodes):], kv.create_revision, now)
+        watch = self._kv.watch_prefix(nodes, revision + 1)
+        try:
+            while not tally.due(time.monotonic()):
+                self._check_deadline(number, deadline)
+                wake = tally.wake_at()
+                timeout = _POLL if wake is None else max(0.0, min(_POLL, wake - time.monotonic()))
+                try:
+                    events = watch.next(timeout)
+                except WatchCompacted:
+                    watch.cancel()
+                    return self._coordinate(number, deadline)
+                now = time.monotonic()
+                for event in events:
+                    node = event.key[len(nodes):]
+                    if event.kind == "put":
+                        tally.joined(node, event.create_revision, now)
+                    else:
+                        tally.left(node, now)
+        finally:
+            watch.cancel()
+        world = World(number, tally.close(previous))
+        world_key = self.keys.world(number)
+        self._kv.put_many_if_absent(
+            world_key, [(world_key, world.encode()), (self.keys.latest, str(number).encode())],
+            self._job_lease.current())
+        # Ours, or (if a coordinator before us closed it and then died) that one's.
+        written = self._kv.get(world_key)
+        if written is None:
+            raise RendezvousStateError(f"the rendezvous record {world_key} vanished right "
+                                       "after it was written: is another program deleting "
+                                       "the job's keys?")
+        return World.decode(written.value, world_key), written.mod_revision
+
+    def _check_deadline(self, number: int, deadline: float) -> None:
+        if time.monotonic() >= deadline:
+            raise RendezvousTimeoutError(
+                f"rendezvous {self._run_id} round {number} did not complete within "
+                f"{self._options.join_timeout:g} s (min {self._min_nodes} nodes): start the "
+                "other nodes, or raise --rdzv-conf join_timeout")
+
+    # ---- the members' watches ------------------------------------------------------------
+    def _start_monitor(self, since: int) -> None:
+        """From revision ``since`` (the world's close) on, watch this round's node keys (a
+        member's lease expiring deletes its key) and the next round's control keys (the
+        first node waiting for it creates its coordinator key): a few events per member,
+        whatever N."""
+        assert self.world is not None
+        self._waiting = False
+        self._lost.clear()
+        self._monitors = [self._kv.watch_prefix(self.keys.nodes(self.world.round), since),
+                          self._kv.watch_prefix(self.keys.ctl(self.world.round + 1), since)]
+
+    def _restart_monitor(self) -> None:
+        """After a broken or compacted watch: what etcd holds now (one read each), then
+        watch again from there."""
+        assert self.world is not None
+        self._stop_monitor()
+        members, revision = self._kv.range_prefix(self.keys.nodes(self.world.round))
+        waiting = self._kv.get(self.keys.coordinator(self.world.round + 1))
+        alive = {kv.key[len(self.keys.nodes(self.world.round)):] for kv in members}
+        self._start_monitor(revision + 1)
+        self._waiting = waiting is not None
+        self._lost.update(set(self.world.members) - alive - {self.node})
+
+    def _stop_monitor(self) -> None:
+        for watch in self._monitors:
+            watch.cancel()
+        self._monitors = []
+
+    def _drain_monitor(self) -> None:
+        assert self.world is not None
+        if not self._monitors:  # broken by an outage: read again, watch again
+            self._restart_monitor()
+        deaths, arrivals = self._monitors
+        try:
+            died, arrived = deaths.next(0.0), arrivals.next(0.0)
+        except WatchCompacted:
+            self._restart_monitor()
+            return
+        prefix, members = self.keys.nodes(self.world.round), set(self.world.members)
+        for event in died:
+            node = event.key[len(prefix):]
+            if event.kind == "delete" and node in members and node != self.node:
+                if node not in self._lost:
+                    log.warning("node %s of rendezvous round %d is gone (its lease expired):"
+                                " re-forming the world without it", node, self.world.round)
+                self._lost.add(node)
+        coordinator = self.keys.coordinator(self.world.round + 1)
+        for event in arrived:
+            if event.key == coordinator:
+                self._waiting = event.kind == "put"

@@ -1,0 +1,275 @@
+"""The ``etcd-v3`` rendezvous of ``design=leases`` (rendezvous/lease_handler.py) against a real
+etcd, with participants in threads and in processes of their own, real SIGKILLs, real lease
+expiry; the thread tests also run on ``MemoryKV``, which must behave alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+from elastic_train.rendezvous.client import KV, EtcdKV
+from elastic_train.rendezvous.lease_handler import LeaseRendezvousHandler
+from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
+from elastic_train.rendezvous.rounds import RoundKeys
+from tests.etcd_server import EtcdServer
+from tests.memory_kv import MemoryKV
+
+REPO = Path(__file__).resolve().parents[2]
+PARTICIPANT = REPO / "tests" / "integration" / "rendezvous_participant.py"
+PREFIX = "/lease-contract"
+TIMEOUT = 60
+
+
+@pytest.fixture(autouse=True)
+def _own_store_for_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def kv(request: pytest.FixtureRequest) -> KV:
+    if request.param == "memory":
+        return MemoryKV()
+    return real_kv(request.getfixturevalue("etcd_v3"))
+
+
+def real_kv(server: EtcdServer) -> EtcdKV:
+    return EtcdKV(parse_endpoint(server.endpoint, None), request_timeout=5)
+
+
+def options(prefix: str = PREFIX, **conf: Any) -> EtcdV3Options:
+    return EtcdV3Options.parse("127.0.0.1:2379", {"key_prefix": prefix,
+                                                  "last_call_timeout": "0.5", **conf})
+
+
+def handler(kv: KV, run_id: str, low: int, high: int, i: int, **conf: Any
+            ) -> LeaseRendezvousHandler:
+    return LeaseRendezvousHandler(kv, options(**conf), run_id, low, high, f"node{i}")
+
+
+def run_threads(target: Callable[[int], Any], count: int, timeout: float = TIMEOUT
+                ) -> list[Any]:
+    """``target(i)`` in ``count`` threads; their results; the first error re-raised."""
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            results[i] = target(i)
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> float:
+    """Poll ``condition`` until it holds; the seconds it took (fails after ``timeout``)."""
+    began = time.monotonic()
+    while not condition():
+        assert time.monotonic() - began < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+class Participants:
+    """``rendezvous_participant.py`` in a process of its own, ``count`` handlers in it."""
+
+    def __init__(self, server: EtcdServer, run_id: str, low: int, high: int, count: int,
+                 conf: str = "last_call_timeout=0.5", prefix: str = PREFIX) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PARTICIPANT), server.endpoint, prefix, run_id, str(low),
+             str(high), str(count), conf], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env)
+
+    def results(self, count: int, timeout: float = TIMEOUT) -> list[dict[str, Any]]:
+        lines: list[dict[str, Any]] = []
+        reader = threading.Thread(
+            target=lambda: lines.extend(json.loads(self.proc.stdout.readline())
+                                        for _ in range(count)), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        assert len(lines) == count, f"{len(lines)} of {count} participants answered"
+        assert not [line for line in lines if "error" in line], lines
+        return lines
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def participants(etcd_v3: EtcdServer) -> Iterator[list[Participants]]:
+    started: list[Participants] = []
+    yield started
+    for p in started:
+        p.close()
+
+
+# ---- one world ----------------------------------------------------------------------------
+def test_handlers_in_threads_form_one_world(kv: KV) -> None:
+    run_id, nodes = uuid.uuid4().hex, 4
+
+    def node(i: int) -> tuple[int, int, str, int]:
+        h = handler(kv, run_id, nodes, nodes, i)
+        info = h.next_rendezvous()
+        assert h.world is not None
+        return info.rank, info.world_size, info.bootstrap_store_info.master_addr, h.world.round
+
+    results = run_threads(node, nodes)
+    assert sorted(r[0] for r in results) == [0, 1, 2, 3]
+    assert {r[1] for r in results} == {nodes}
+    assert {r[3] for r in results} == {0}
+    rank0 = next(i for i, r in enumerate(results) if r[0] == 0)
+    assert {r[2] for r in results} == {f"node{rank0}"}  # rank 0 published its address
+
+
+def test_two_jobs_with_the_same_id_are_isolated_by_prefix(kv: KV) -> None:
+    run_id = uuid.uuid4().hex
+
+    def node(i: int) -> tuple[str, int, int]:
+        prefix = "/job-a" if i % 2 else "/job-b"
+        h = LeaseRendezvousHandler(kv, options(prefix), run_id, 2, 2, f"node{i}")
+        info = h.next_rendezvous()
+        return prefix, info.rank, info.world_size
+
+    results = run_threads(node, 4)
+    for prefix in ("/job-a", "/job-b"):
+        assert sorted((r[1], r[2]) for r in results if r[0] == prefix) == [(0, 2), (1, 2)]
+
+
+def test_participants_in_several_processes_join_one_round(
+        etcd_v3: EtcdServer, participants: list[Participants]) -> None:
+    run_id = uuid.uuid4().hex
+    participants.extend(Participants(etcd_v3, run_id, 6, 6, 2) for _ in range(3))
+    lines = [line for p in participants for line in p.results(2)]
+    assert sorted(line["rank"] for line in lines) == list(range(6))
+    assert {(line["world_size"], line["round"]) for line in lines} == {(6, 0)}
+
+
+# ---- membership changes -------------------------------------------------------------------
+def test_a_waiting_node_is_seen_and_the_members_keep_their_ranks(kv: KV) -> None:
+    run_id = uuid.uuid4().hex
+    members = [handler(kv, run_id, 3, 4, i) for i in range(3)]
+    first = run_threads(lambda i: members[i].next_rendezvous().rank, 3)
+    assert sorted(first) == [0, 1, 2]
+    assert [m.num_nodes_waiting() for m in members] == [0, 0, 0]
+
+    newcomer = handler(kv, run_id, 3, 4, 3)
+    joined: list[int] = []
+    thread = threading.Thread(target=lambda: joined.append(newcomer.next_rendezvous().rank),
+                              daemon=True)
+    thread.start()
+    # The newcomer waits in round 1; every member's watch sees it (no read of etcd).
+    wait_until(lambda: all(m.num_nodes_waiting() == 1 for m in members), 10,
+               "the members seeing the waiting node")
+    second = run_threads(lambda i: members[i].next_rendezvous().rank, 3)
+    thread.join(TIMEOUT)
+    assert second == first                    # the members keep their ranks
+    assert joined == [3]                      # the newcomer follows
+    assert {m.world.round for m in members} == {1} and newcomer.world.round == 1
+
+
+def test_a_dead_member_is_seen_by_its_lease_and_cannot_rewrite_the_round(
+        etcd_v3: EtcdServer) -> None:
+    kv = real_kv(etcd_v3)
+    run_id = uuid.uuid4().hex
+    members = [handler(kv, run_id, 3, 3, i, lease_ttl=2) for i in range(3)]
+    run_threads(lambda i: members[i].next_rendezvous(), 3)
+    gone, *alive = members
+    kv.revoke_lease(gone._lease.id)           # as etcd does when its agent stops renewing
+    wait_until(lambda: all(m.num_nodes_waiting() == 1 for m in alive), 5,
+               "the others seeing the member gone")
+    wait_until(lambda: gone.num_nodes_waiting() == 1, 5, "the member seeing its lease gone")
+    keys = RoundKeys.of(PREFIX, run_id)
+    assert kv.get(keys.node(0, gone.node)) is None
+    # The round's record is written once: nobody (a stale coordinator) rewrites it.
+    world = kv.get(keys.world(0))
+    assert world is not None
+    assert not kv.put_many_if_absent(keys.world(0), [(keys.world(0), b"{}")])
+    assert kv.get(keys.world(0)).value == world.value
+    # The next round forms without it; the dead member, back, rejoins with a new lease.
+    again = run_threads(lambda i: members[i].next_rendezvous().world_size, 3)
+    assert again == [3, 3, 3]
+
+
+def test_a_sigkilled_coordinator_mid_join_is_replaced_and_left_out(
+        etcd_v3: EtcdServer, participants: list[Participants]) -> None:
+    """The first joiner (the round's coordinator) dies while the round is open: its lease
+    expires, its keys go, another node takes over and closes the round without it."""
+    kv = real_kv(etcd_v3)
+    run_id = uuid.uuid4().hex
+    keys = RoundKeys.of(PREFIX, run_id)
+    # At most 4 nodes: the round waits out its last call (4 s) before it closes.
+    victim = Participants(etcd_v3, run_id, 2, 4, 1, "last_call_timeout=4,lease_ttl=2")
+    participants.append(victim)
+    wait_until(lambda: kv.get(keys.coordinator(0)) is not None, 20, "the victim coordinating")
+    results: list[Any] = []
+    others = threading.Thread(target=lambda: results.extend(run_threads(
+        lambda i: handler(kv, run_id, 2, 4, i, last_call_timeout=4,
+                          lease_ttl=2).next_rendezvous().world_size, 2)), daemon=True)
+    others.start()
+    wait_until(lambda: kv.count_prefix(keys.nodes(0)) == 3, 20, "all three joined")
+    victim.kill()
+    others.join(TIMEOUT)
+    assert results == [2, 2]                  # closed without the dead node
+    assert kv.count_prefix(keys.nodes(0)) == 2
+
+
+def test_a_sigkilled_member_is_noticed_within_its_lease(
+        etcd_v3: EtcdServer, participants: list[Participants],
+        request: pytest.FixtureRequest) -> None:
+    kv = real_kv(etcd_v3)
+    run_id = uuid.uuid4().hex
+    victim = Participants(etcd_v3, run_id, 2, 2, 1, "last_call_timeout=0.5,lease_ttl=2")
+    participants.append(victim)
+    survivor = handler(kv, run_id, 2, 2, 0, lease_ttl=2)
+    survivor.next_rendezvous()
+    victim.results(1)
+    assert survivor.num_nodes_waiting() == 0
+    victim.kill()
+    seconds = wait_until(lambda: survivor.num_nodes_waiting() == 1, 10,
+                         "the survivor noticing the killed member")
+    line = f"SIGKILL of a member -> noticed by the other: {seconds:.2f} s (lease_ttl 2 s)"
+    request.node.user_properties.append(("measured", line))
+    print(line)
+
+
+def test_a_closed_rendezvous_refuses_new_rounds(kv: KV) -> None:
+    run_id = uuid.uuid4().hex
+    members = [handler(kv, run_id, 2, 2, i) for i in range(2)]
+    run_threads(lambda i: members[i].next_rendezvous(), 2)
+    assert members[0].shutdown()
+    assert members[1].is_closed()
+    with pytest.raises(RendezvousClosedError, match="is closed: the job ended"):
+        handler(kv, run_id, 1, 2, 5).next_rendezvous()
