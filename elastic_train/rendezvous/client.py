@@ -241,6 +241,19 @@ def _reason(exc: BaseException) -> str:
     return (detail.strip().splitlines() or [type(exc).__name__])[0][:160]
 
 
+def _counting_session(kv: EtcdKV) -> Any:
+    """A ``requests`` session that adds one to ``kv.requests`` per request it sends (every
+    send runs under the client's lock, see ``EtcdKV._call``)."""
+    import requests
+
+    class CountingSession(requests.Session):
+        def send(self, request: Any, **kwargs: Any) -> Any:
+            kv.requests += 1
+            return super().send(request, **kwargs)
+
+    return CountingSession()
+
+
 class EtcdKV:
     """``KV`` on a real etcd (3.4 or newer) through its v3 JSON gateway.
 
@@ -256,14 +269,16 @@ class EtcdKV:
         self._lock = threading.RLock()
         self._client: Any = None
         self._token: str | None = None
+        # HTTP requests sent to etcd so far (every read, write, txn, lease grant and
+        # renewal, login, and one per watch created): what the rendezvous benchmark counts.
+        self.requests = 0
 
     # ---- plumbing ------------------------------------------------------------------------
     def _connect(self) -> Any:
         if self._client is None:
             import etcd3gw  # deferred: importing this module must stay cheap
-            import requests
 
-            session = requests.Session()
+            session = _counting_session(self)
             # Like python-etcd (torch's v2 client): no HTTP(S)_PROXY detour to an internal
             # service, and REQUESTS_CA_BUNDLE cannot replace the job's own CA file. Also
             # ~0.5 ms less per request (no proxy lookup in the environment).
@@ -509,10 +524,17 @@ class EtcdKV:
                     "key": _b64(prefix), "range_end": _prefix_end(prefix), "count_only": True})
             request = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
                                           "start_revision": str(start_revision)}}
+            # A connection of its own: a stream closed by cancel() in one thread must never
+            # be a pooled connection that another request has taken meanwhile.
+            session = _stream_session(client.session)
             # A read timeout until etcd confirms the watch (at once); _StreamWatch then lifts
             # it, as a watch is idle for long.
-            response = client.session.post(client.get_url("/watch"), json=request,
-                                           stream=True, timeout=(self._timeout, self._timeout))
+            try:
+                response = session.post(client.get_url("/watch"), json=request, stream=True,
+                                        timeout=(self._timeout, self._timeout))
+            except BaseException:
+                session.close()
+                raise
             try:
                 if response.status_code != 200:
                     if response.status_code in (408, 504):
@@ -534,11 +556,25 @@ class EtcdKV:
                     raise exceptions.Etcd3Exception(json.dumps({"message": refusal}))
             except BaseException:
                 response.close()
+                session.close()
                 raise
-            return response, lines, message
+            return session, response, lines, message
 
-        response, lines, first = self._call(operation, fn)
-        return _StreamWatch(self.endpoint, prefix, response, lines, first)
+        session, response, lines, first = self._call(operation, fn)
+        return _StreamWatch(self.endpoint, prefix, session, response, lines, first)
+
+
+def _stream_session(shared: Any) -> Any:
+    """A session like the client's (TLS files, CA, auth token; no proxies from the
+    environment) with connections of its own, for one watch stream."""
+    import requests
+
+    own = requests.Session()
+    own.trust_env = False
+    own.verify = shared.verify
+    own.cert = shared.cert
+    own.headers.update(shared.headers)
+    return own
 
 
 def _absent(key: str) -> dict[str, Any]:
@@ -654,11 +690,12 @@ class _StreamWatch(_WatchQueue):
     gateway lost etcd. A connection reset or the end of the stream means etcd went away.
     """
 
-    def __init__(self, endpoint: str, prefix: str, response: Any, lines: Iterator[bytes],
-                 first: dict[str, Any]) -> None:
+    def __init__(self, endpoint: str, prefix: str, session: Any, response: Any,
+                 lines: Iterator[bytes], first: dict[str, Any]) -> None:
         super().__init__()
         self.endpoint = endpoint
         self.prefix = prefix
+        self._session = session
         self._response = response
         self._lines = lines
         self._socket = _stream_socket(response)
@@ -687,9 +724,10 @@ class _StreamWatch(_WatchQueue):
             if not self._cancelled:
                 self._fail(self._broken(_reason(exc) if not isinstance(exc, ValueError)
                                         else f"unreadable message ({exc})"))
-        finally:
+        finally:  # only this thread closes the stream (cancel() only wakes it)
             try:
                 self._response.close()
+                self._session.close()
             except Exception:
                 pass
 
@@ -711,13 +749,15 @@ class _StreamWatch(_WatchQueue):
         if self._cancelled:
             return
         super().cancel()
-        # close() alone does not wake a recv() blocked in the reader thread; shutdown() does.
+        # close() alone does not wake a recv() blocked in the reader thread; shutdown() does,
+        # and the reader thread then closes the stream itself.
         if self._socket is not None:
             try:
                 self._socket.shutdown(socket.SHUT_RDWR)
+                return
             except OSError:
                 pass
         try:
-            self._response.close()
+            self._response.close()  # no socket to shut down: close from here
         except Exception:
             pass

@@ -99,6 +99,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._waiting = False  # a node waits for the next round (it created its coordinator)
         self._lost: set[str] = set()  # members whose lease expired
         self._member_key: str | None = None  # our node key in the round we are a member of
+        self._joining: int | None = None  # the round a join in progress is in
+        self._deadline: float | None = None  # of the join in progress
         self._closed = False
 
     # ---- torch's contract ------------------------------------------------------------------
@@ -114,6 +116,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
+        self._joining = self._deadline = None
         world = retry_unreachable(self._join, self._options.connect_timeout)
         set_rendezvous_seconds(time.monotonic() - started)
         rank = world.members.index(self.node)
@@ -173,27 +176,39 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     # ---- joining ------------------------------------------------------------------------
     def _join(self) -> World:
+        """One attempt at the next world (``retry_unreachable`` repeats it while etcd does not
+        answer). A repeated attempt goes on with the round the failed one had joined, so a
+        node whose round closed with it while etcd was away is not left alone in the next."""
         self._stop_monitor()
         self.world = None
         if self._closed or self._kv.get(self.keys.closed) is not None:  # etcd must answer
             raise RendezvousClosedError(f"rendezvous {self._run_id} is closed: the job ended")
-        deadline = time.monotonic() + self._options.join_timeout
-        latest = self._kv.get(self.keys.latest)
-        number = int(latest.value) + 1 if latest is not None else 0
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._options.join_timeout
+        if self._joining is None:
+            latest = self._kv.get(self.keys.latest)
+            self._joining = int(latest.value) + 1 if latest is not None else 0
         while True:
+            number = self._joining
             key = self.keys.node(number, self.node)
             self._on_lease(lambda lease, key=key: self._kv.put(key, self._describe(), lease))
-            world, revision = self._await_world(number, deadline)
+            world, revision = self._await_world(number, self._deadline)
             if self.node in world.members:
                 break
             # Too late for this round (or beyond its maximum): the next one.
             self._kv.delete(key)
-            number = world.round + 1
-        if self._member_key is not None and self._member_key != key:
-            self._kv.delete(self._member_key)  # the round before: its members re-formed too
-        self._member_key = key
+            self._joining = world.round + 1
+        self._joining = self._deadline = None
         self.world = world
-        self._start_monitor(revision + 1)
+        previous, self._member_key = self._member_key, key
+        try:
+            if previous is not None and previous != key:
+                self._kv.delete(previous)  # the round before: its members re-form too
+            self._start_monitor(revision + 1)
+        except EtcdUnreachableError as exc:  # joined: num_nodes_waiting() watches again later
+            self._outage.failed(exc)
+            self._stop_monitor()
+            return world
         self._outage.reached()
         return world
 
@@ -313,8 +328,13 @@ class LeaseRendezvousHandler(RendezvousHandler):
         assert self.world is not None
         self._waiting = False
         self._lost.clear()
-        self._monitors = [self._kv.watch_prefix(self.keys.nodes(self.world.round), since),
-                          self._kv.watch_prefix(self.keys.ctl(self.world.round + 1), since)]
+        deaths = self._kv.watch_prefix(self.keys.nodes(self.world.round), since)
+        try:
+            arrivals = self._kv.watch_prefix(self.keys.ctl(self.world.round + 1), since)
+        except BaseException:
+            deaths.cancel()
+            raise
+        self._monitors = [deaths, arrivals]
 
     def _restart_monitor(self) -> None:
         """After a broken or compacted watch: what etcd holds now (one read each), then
