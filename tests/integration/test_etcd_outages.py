@@ -131,7 +131,8 @@ def state_key(run_id: str) -> str:
     return f"/elastic_train/rendezvous/{run_id}/state"
 
 
-@pytest.mark.parametrize("design", ["leases", "state-key"])
+@pytest.mark.parametrize("design", ["leases",
+                                    pytest.param("state-key", marks=pytest.mark.extended)])
 def test_a_dead_jobs_rendezvous_blocks_no_new_job(tmp_path: Path, etcd_v3: EtcdServer,
                                                   request: pytest.FixtureRequest,
                                                   design: str) -> None:
