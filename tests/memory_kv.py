@@ -186,6 +186,19 @@ class MemoryKV:
                 return False, self._revision
             return True, self._put(key, value, lease).mod_revision
 
+    def put_and_claim(self, key: str, value: bytes, claim: str, claim_value: bytes,
+                      prefix: str, lease: int = 0) -> tuple[bool, list[KeyValue], int]:
+        with self._lock:
+            self.requests += 1
+            self._check_lease(lease)
+            revision = self._bump()  # one transaction, one revision
+            self._put(key, value, lease, revision)
+            if claim not in self._data:
+                self._put(claim, claim_value, lease, revision)
+                return True, [], revision
+            return (False, [self._data[k] for k in sorted(self._data) if k.startswith(prefix)],
+                    revision)
+
     def put_many_if_absent(self, guard: str, items: Sequence[tuple[str, bytes]],
                            lease: int = 0) -> bool:
         if len(items) > MAX_TXN_OPS:

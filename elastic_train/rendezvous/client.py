@@ -154,6 +154,13 @@ class KV(Protocol):
         whether it did. len(items) <= MAX_TXN_OPS."""
         ...
 
+    def put_and_claim(self, key: str, value: bytes, claim: str, claim_value: bytes,
+                      prefix: str, lease: int = 0) -> tuple[bool, list[KeyValue], int]:
+        """One txn: put ``key``, and create ``claim`` if it does not exist, else read every
+        key under ``prefix``. (claimed, the keys read (none when claimed), the revision a
+        watch of ``prefix`` continues from, minus one). Both puts carry ``lease``."""
+        ...
+
     def keep_alive(self, lease: int) -> int:
         """Renew a lease once; its TTL in seconds now, 0 if etcd no longer knows it (expired
         or revoked)."""
@@ -490,6 +497,24 @@ class EtcdKV:
             return kvs, int(result["header"]["revision"])
 
         return self._call(f"reading the keys under {prefix}", fn)
+
+    def put_and_claim(self, key: str, value: bytes, claim: str, claim_value: bytes,
+                      prefix: str, lease: int = 0) -> tuple[bool, list[KeyValue], int]:
+        def fn(client: Any) -> tuple[bool, list[KeyValue], int]:
+            put = {"request_put": _put(key, value, lease)}
+            result = self._txn(
+                client, [_absent(claim)],
+                [put, {"request_put": _put(claim, claim_value, lease)}],
+                [put, {"request_range": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
+                                         "sort_order": "ASCEND", "sort_target": "KEY"}}])
+            revision = int(result["header"]["revision"])
+            if result.get("succeeded", False):
+                return True, [], revision
+            responses = result.get("responses") or [{}, {}]
+            raw = responses[1].get("response_range", {}).get("kvs") or []
+            return False, [_key_value(kv) for kv in raw], revision
+
+        return self._call(f"joining at {key}", fn)
 
     def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, int]:
         def fn(client: Any) -> tuple[bool, int]:

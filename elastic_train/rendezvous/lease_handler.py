@@ -44,12 +44,14 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_train.agent_env import set_rendezvous_seconds
 from elastic_train.rendezvous.backend import BACKEND_NAME
 from elastic_train.rendezvous.client import (
     KV,
     EtcdUnreachableError,
+    KeyValue,
     LeaseNotFound,
     Watch,
     WatchCompacted,
@@ -121,10 +123,22 @@ class LeaseRendezvousHandler(RendezvousHandler):
         set_rendezvous_seconds(time.monotonic() - started)
         rank = world.members.index(self.node)
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{world.round}", self._store)
-        info = RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
+        info = self._store_info(rank, store)
         log.info("node %s joined round %d of rendezvous %s as rank %d of %d", self.node,
                  world.round, self._run_id, rank, len(world.members))
         return RendezvousInfo(store, rank, len(world.members), info)
+
+    def _store_info(self, rank: int, store: PrefixStore) -> RendezvousStoreInfo:
+        """Where rank 0's workers host the process group's store: rank 0 picks a free port
+        and writes both keys in one request, the others read both in one (torch's
+        ``RendezvousStoreInfo.build`` does two of each)."""
+        keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
+        if rank == 0:
+            addr, port = self._local_addr or socket.getfqdn(), get_free_port()
+            store.multi_set(keys, [addr.encode(), str(port).encode()])
+            return RendezvousStoreInfo(addr, port)
+        addr_bytes, port_bytes = store.multi_get(keys)
+        return RendezvousStoreInfo(addr_bytes.decode(), int(port_bytes.decode()))
 
     def is_closed(self) -> bool:
         if self._closed:
@@ -181,18 +195,18 @@ class LeaseRendezvousHandler(RendezvousHandler):
         node whose round closed with it while etcd was away is not left alone in the next."""
         self._stop_monitor()
         self.world = None
-        if self._closed or self._kv.get(self.keys.closed) is not None:  # etcd must answer
+        found = self._kv.get_many([self.keys.closed, self.keys.latest])  # etcd must answer
+        if self._closed or self.keys.closed in found:
             raise RendezvousClosedError(f"rendezvous {self._run_id} is closed: the job ended")
         if self._deadline is None:
             self._deadline = time.monotonic() + self._options.join_timeout
         if self._joining is None:
-            latest = self._kv.get(self.keys.latest)
+            latest = found.get(self.keys.latest)
             self._joining = int(latest.value) + 1 if latest is not None else 0
         while True:
             number = self._joining
             key = self.keys.node(number, self.node)
-            self._on_lease(lambda lease, key=key: self._kv.put(key, self._describe(), lease))
-            world, revision = self._await_world(number, self._deadline)
+            world, revision = self._await_world(number, key, self._deadline)
             if self.node in world.members:
                 break
             # Too late for this round (or beyond its maximum): the next one.
@@ -225,24 +239,29 @@ class LeaseRendezvousHandler(RendezvousHandler):
         return json.dumps({"addr": self._local_addr or socket.getfqdn(),
                            "pid": os.getpid()}).encode()
 
-    def _await_world(self, number: int, deadline: float) -> tuple[World, int]:
-        """The world of round ``number`` and the revision it was written at: closed by us
-        as its coordinator, or by another node."""
-        coordinator = self.keys.coordinator(number)
+    def _await_world(self, number: int, key: str, deadline: float) -> tuple[World, int]:
+        """Join round ``number`` as ``key``; its world and the revision it was written at:
+        closed by us as its coordinator, or by another node."""
+        coordinator, ctl = self.keys.coordinator(number), self.keys.ctl(number)
         while True:
-            created, _ = self._on_lease(
-                lambda lease: self._kv.create(coordinator, self.node.encode(), lease))
-            found = self._coordinate(number, deadline) if created \
-                else self._follow(number, deadline)
+            # One request: our node key, and the coordinator key if nobody holds it, else
+            # the round's control keys as they are.
+            claimed, kvs, revision = self._on_lease(lambda lease: self._kv.put_and_claim(
+                key, self._describe(), coordinator, self.node.encode(), ctl, lease))
+            found = self._coordinate(number, deadline) if claimed \
+                else self._follow(number, deadline, kvs, revision)
             if found is not None:
                 return found
             # The coordinator's lease expired before it closed the round: take over.
 
-    def _follow(self, number: int, deadline: float) -> tuple[World, int] | None:
-        """Wait for round ``number``'s world; None when its coordinator vanished first."""
+    def _follow(self, number: int, deadline: float, kvs: list[KeyValue] | None = None,
+                revision: int = 0) -> tuple[World, int] | None:
+        """Wait for round ``number``'s world, from its control keys ``kvs`` as of
+        ``revision`` (read here when not given); None when its coordinator vanished first."""
         ctl = self.keys.ctl(number)
         world_key, coordinator_key = self.keys.world(number), self.keys.coordinator(number)
-        kvs, revision = self._kv.range_prefix(ctl)
+        if kvs is None:
+            kvs, revision = self._kv.range_prefix(ctl)
         present = {kv.key: kv for kv in kvs}
         if world_key in present:
             found = present[world_key]
