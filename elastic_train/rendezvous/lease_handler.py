@@ -19,8 +19,15 @@ is noticed after its heartbeats are judged stale. Here (keys: rounds.py):
   from ``round/r/node/``: every other member's watch sees the delete and reports a waiting
   node, so the agents re-form the world without it; a node whose own lease is gone rejoins.
 
-Requests per node per rendezvous: O(1) (read ``latest``, write the node key, one txn to
-try the coordinator key, one watch); the coordinator also reads the round once.
+Requests per node per rendezvous: O(1), about 5 (read ``closed`` and ``latest``, one txn
+that writes the node key and claims or reads the coordinator key, one watch, the store's
+address); the coordinator also reads the round once (docs/rendezvous-at-scale.md).
+
+What an agent that re-forms the world in place (live recovery) drives: ``next_rendezvous``
+touches etcd and this node's lease only, never the workers, so it can form the next round
+while the workers stay alive; ``world`` is the round's members in rank order (stable across
+rounds), ``num_nodes_waiting`` says when a new round is needed, ``leave`` drops this node
+without closing the rendezvous.
 """
 
 from __future__ import annotations
