@@ -400,7 +400,8 @@ class EtcdKV:
                         kv = _key_value(raw)
                         found[kv.key] = kv
 
-            self._call(f"reading {len(chunk)} keys", fn)
+            self._call(f"reading {' and '.join(chunk)}" if len(chunk) <= 2
+                       else f"reading {len(chunk)} keys", fn)
         return found
 
     def count_prefix(self, prefix: str) -> int:

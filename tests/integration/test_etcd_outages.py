@@ -121,7 +121,8 @@ def test_plain_torchrun_retries_an_unreachable_etcd_then_fails_naming_it(tmp_pat
     assert result.returncode != 0
     assert 3 <= elapsed < 60, elapsed
     assert (f"EtcdUnreachableError: cannot reach etcd at http://127.0.0.1:{port} for 3 s "
-            f"(reading /elastic_train/rendezvous/gone/closed: [Errno 111] Connection refused): "
+            f"(reading /elastic_train/rendezvous/gone/closed and "
+            f"/elastic_train/rendezvous/gone/latest: [Errno 111] Connection refused): "
             "check that etcd runs there and --rdzv-endpoint, or wait longer with --rdzv-conf "
             "connect_timeout=SECONDS") in result.stderr
     assert not (tmp_path / "run").exists()  # no worker started

@@ -25,6 +25,7 @@ from elastic_train.rendezvous.lease_handler import LeaseRendezvousHandler
 from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
 from elastic_train.rendezvous.rounds import RoundKeys
 from tests.etcd_server import EtcdServer
+from tests.integration.threads import run_threads
 from tests.memory_kv import MemoryKV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,30 +58,6 @@ def options(prefix: str = PREFIX, **conf: Any) -> EtcdV3Options:
 def handler(kv: KV, run_id: str, low: int, high: int, i: int, **conf: Any
             ) -> LeaseRendezvousHandler:
     return LeaseRendezvousHandler(kv, options(**conf), run_id, low, high, f"node{i}")
-
-
-def run_threads(target: Callable[[int], Any], count: int, timeout: float = TIMEOUT
-                ) -> list[Any]:
-    """``target(i)`` in ``count`` threads; their results; the first error re-raised."""
-    results: list[Any] = [None] * count
-    errors: list[BaseException] = []
-
-    def body(i: int) -> None:
-        try:
-            results[i] = target(i)
-        except BaseException as exc:  # re-raised below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> float:

@@ -12,7 +12,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +27,7 @@ from elastic_train.rendezvous.handler import build_handler
 from elastic_train.rendezvous.lease import SharedLease
 from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
 from elastic_train.rendezvous.store import EtcdStore
+from tests.integration.threads import run_threads
 from tests.memory_kv import MemoryKV
 
 PREFIX = "/contract"
@@ -42,29 +43,6 @@ def kv(request: pytest.FixtureRequest) -> KV:
 
 def new_backend(kv: KV, ttl: int = 3600, run_id: str | None = None) -> EtcdV3RendezvousBackend:
     return EtcdV3RendezvousBackend(kv, run_id or uuid.uuid4().hex, PREFIX, SharedLease(kv, ttl))
-
-
-def run_threads(target: Callable[[int], Any], count: int, timeout: float = 60) -> list[Any]:
-    """Run ``target(i)`` in ``count`` threads; return results; re-raise the first error."""
-    results: list[Any] = [None] * count
-    errors: list[BaseException] = []
-
-    def body(i: int) -> None:
-        try:
-            results[i] = target(i)
-        except BaseException as exc:  # re-raised below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
-    if errors:
-        raise errors[0]
-    return results
 
 
 # ---- backend ------------------------------------------------------------------------------
