@@ -74,6 +74,7 @@ class DistributedConfig:
     timeout_seconds: float = 120.0
     preemption_budget_seconds: float = 25.0
     step_timeout_seconds: float | None = 600.0
+    recovery: str = "live"
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--step-timeout", "distributed", "step_timeout_seconds",
            "fail a worker whose loop completes no step for this long, naming the stuck rank "
            "('off' to disable)", _optional_positive_float, "SECONDS"),
+    Option("--recovery", "distributed", "recovery",
+           "after a worker dies: 'live' (elastic-train run on one node; the default) starts "
+           "only that worker again and it takes the state from a survivor, the others keep "
+           "running; 'restart' restarts every worker from the newest checkpoint (what "
+           "torchrun always does)", str, "MODE"),
     Option("--preemption-budget", "distributed", "preemption_budget_seconds",
            "seconds from SIGTERM to exit, checkpoint included; keep it below the grace period",
            float),
@@ -294,6 +300,7 @@ def validate(config: JobConfig) -> JobConfig:
     _check(d.backend in ("auto", "gloo", "nccl"), "--backend", d.backend,
            "'auto', 'gloo' or 'nccl'")
     _check(d.timeout_seconds > 0, "--collective-timeout", d.timeout_seconds, "positive")
+    _check(d.recovery in ("live", "restart"), "--recovery", d.recovery, "'live' or 'restart'")
     _check(d.step_timeout_seconds is None or d.step_timeout_seconds > 0, "--step-timeout",
            d.step_timeout_seconds, "a positive number of seconds, or 'off'")
     _check(d.preemption_budget_seconds > 0, "--preemption-budget", d.preemption_budget_seconds,

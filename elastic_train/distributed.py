@@ -3,12 +3,24 @@
 These are the package's only collectives. Every one takes the group's timeout, and callers
 reach them on every rank in the same order (the per-step vote, restore, save coordination,
 shutdown).
+
+Live recovery (live_recovery.py) needs a collective that waits on a dead peer to end at
+once, not at the timeout. On NCCL ``ProcessGroup.abort()`` does that; on gloo it does not
+(measured with torch 2.13: a rank whose ring neighbour lost its own neighbour waits out the
+full timeout, and ``destroy_process_group`` then blocks on the stuck work). So every wait
+here, and DDP's gradient all-reduce (``abortable_allreduce_hook``), waits on a future of
+our own that ``abort_collectives`` fails at once; ``abandon_group`` then drops the group
+without joining its stuck work, which ends at its own timeout in the background.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -49,7 +61,129 @@ def pick_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
-def _store_for(env: WorkerEnv, timeout: timedelta) -> dist.Store | None:
+class CollectiveAborted(DistributedError):
+    """A collective was ended by ``abort_collectives`` (a peer of the group was lost)."""
+
+
+_lock = threading.Lock()
+_open: set[torch.futures.Future] = set()
+_aborted: str | None = None
+_abandoned: list[dist.ProcessGroup] = []
+
+
+def _abortable(future: torch.futures.Future) -> torch.futures.Future:
+    """A future that completes with ``future``, or fails at once on ``abort_collectives``."""
+    mine: torch.futures.Future = torch.futures.Future()
+    with _lock:
+        if _aborted is not None:
+            mine.set_exception(CollectiveAborted(_aborted))
+            return mine
+        _open.add(mine)
+
+    def done(result: torch.futures.Future) -> None:
+        with _lock:
+            if mine not in _open:
+                return  # aborted first
+            _open.discard(mine)
+        try:
+            mine.set_result(result.value())
+        except Exception as exc:  # the collective's own error (a peer reset the connection)
+            mine.set_exception(exc)
+
+    future.add_done_callback(done)
+    return mine
+
+
+def _wait(work: dist.Work | None) -> None:
+    if work is not None:
+        _abortable(work.get_future()).wait()
+
+
+def abort_collectives(reason: str) -> None:
+    """Fail every collective waited on now, and every one started later in this group, with
+    ``CollectiveAborted(reason)`` (any thread; live recovery's watcher calls it)."""
+    global _aborted
+    with _lock:
+        _aborted = reason
+        pending = list(_open)
+        _open.clear()
+    for future in pending:
+        future.set_exception(CollectiveAborted(reason))
+
+
+def abortable_allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP communication hook: the default gradient mean, through an abortable future.
+
+    Scales by ``1 / world`` before summing, as DDP's built-in path does, so the gradients
+    are bit for bit those of DDP without a hook.
+    """
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size())
+    work = dist.all_reduce(buffer, async_op=True)
+    return _abortable(work.get_future()).then(lambda fut: fut.value()[0])
+
+
+# DDP checks a hook's annotations against the types themselves, not their names.
+abortable_allreduce_hook.__annotations__ = {
+    "state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+def abandon_group() -> None:
+    """Drop this worker's group after a lost peer, without waiting for its stuck work.
+
+    NCCL's communicators are aborted; gloo's stuck waits end at the group's timeout on
+    threads nobody joins. The group is kept referenced until the process ends so that
+    no destructor joins them (train.py ends such a process with ``os._exit``).
+    """
+    if not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    with contextlib.suppress(Exception):
+        group.abort()
+    _abandoned.append(group)
+    shutdown = dist.ProcessGroup.__dict__["shutdown"]  # the descriptor, to put back as is
+    dist.ProcessGroup.shutdown = lambda self: None  # type: ignore[method-assign]
+    try:
+        dist.destroy_process_group()
+    finally:
+        dist.ProcessGroup.shutdown = shutdown  # type: ignore[method-assign]
+
+
+def abandoned_groups() -> int:
+    """How many groups this process dropped with work stuck in them."""
+    return len(_abandoned)
+
+
+def store_prefix(run_id: str, restart_count: int, generation: int = 0) -> str:
+    """The key prefix of one world's process group in the agent's store (a single-node
+    job's shared store, or the live-recovery store).
+
+    A world that re-forms in place (live recovery) keeps the incarnation's restart count
+    and gets a new generation; the agent announces generations under the prefix of
+    generation 0 (live_recovery.py).
+    """
+    prefix = f"elastic_train/{run_id}/restart-{restart_count}"
+    return f"{prefix}/live-{generation}" if generation else prefix
+
+
+def live_store(env: WorkerEnv, timeout: timedelta) -> dist.Store:
+    """A client of the store the agent keeps for live recovery (``env.live_store``)."""
+    assert env.live_store is not None
+    host, _, port = env.live_store.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def agent_store(env: WorkerEnv, timeout: timedelta) -> dist.Store:
+    """A client of the agent's store (torchrun shares it with its workers)."""
+    if env.master_port is None:
+        raise DistributedError("MASTER_PORT is not set although torchrun says it shares its "
+                               "store: run the worker under torchrun or elastic-train run")
+    return dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size,
+                         is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def _store_for(env: WorkerEnv, timeout: timedelta, generation: int = 0) -> dist.Store | None:
     """The store the group is formed on; None means torch's env:// default.
 
     When torchrun shares its agent's TCPStore with the workers (the 2.x default), the keys
@@ -62,23 +196,25 @@ def _store_for(env: WorkerEnv, timeout: timedelta) -> dist.Store | None:
     """
     if not env.under_torchrun:
         return dist.HashStore() if env.world_size == 1 else None
+    if env.live_store:
+        return dist.PrefixStore(store_prefix(env.run_id, env.restart_count, generation),
+                                live_store(env, timeout))
     if not env.use_agent_store:
         return None
-    if env.master_port is None:
-        raise DistributedError("MASTER_PORT is not set although torchrun says it shares its "
-                               "store: run the worker under torchrun or elastic-train run")
-    store = dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size,
-                          is_master=False, timeout=timeout, wait_for_workers=False)
+    store = agent_store(env, timeout)
     if env.single_node:
-        return dist.PrefixStore(f"elastic_train/{env.run_id}/restart-{env.restart_count}", store)
+        return dist.PrefixStore(store_prefix(env.run_id, env.restart_count, generation), store)
     if env.rank == 0:
         log.warning("workers of several agents share the agent's TCPStore; restarts are more "
                     "reliable with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set for torchrun")
     return store
 
 
-def init_group(env: WorkerEnv, backend: str, timeout_seconds: float) -> Group:
-    """Form the process group of this incarnation (idempotent within a process)."""
+def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
+               generation: int = 0) -> Group:
+    """Form the process group of this incarnation (idempotent within a process);
+    ``generation``: the world re-formed in place that this group belongs to."""
+    global _aborted
     device = pick_device(env)
     chosen = pick_backend(backend, device)
     if device.type == "cuda":
@@ -86,7 +222,9 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float) -> Group:
     if dist.is_initialized():
         return Group(dist.get_rank(), dist.get_world_size(), chosen, device)
     timeout = timedelta(seconds=timeout_seconds)
-    store = _store_for(env, timeout)
+    store = _store_for(env, timeout, generation)
+    with _lock:
+        _aborted = None
     try:
         if store is None:
             dist.init_process_group(chosen, init_method="env://", rank=env.rank,
@@ -105,25 +243,55 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float) -> Group:
 def barrier(group: Group) -> None:
     """Wait for every rank (bounded by the group's timeout)."""
     if group.world_size > 1:
-        dist.barrier(device_ids=[group.device.index] if group.device.type == "cuda" else None)
+        _wait(dist.barrier(async_op=True,
+                           device_ids=[group.device.index] if group.device.type == "cuda"
+                           else None))
+
+
+def broadcast_bytes(group: Group, data: bytes | None, src: int = 0) -> bytes:
+    """Send bytes from ``src`` (``data`` there, None elsewhere) to every rank."""
+    if group.world_size == 1:
+        return data or b""
+    if group.rank == src:
+        assert data is not None
+        size = torch.tensor([len(data)], dtype=torch.int64, device=group.device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=group.device)
+    _wait(dist.broadcast(size, src, async_op=True))
+    if group.rank == src:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(group.device)  # type: ignore[arg-type]
+    else:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=group.device)
+    _wait(dist.broadcast(buffer, src, async_op=True))
+    return data if group.rank == src else buffer.cpu().numpy().tobytes()  # type: ignore[return-value]
 
 
 def broadcast_json(group: Group, value: Any, src: int = 0) -> Any:
     """Send a JSON-able value from ``src`` to every rank (no pickle on the wire)."""
     if group.world_size == 1:
         return value
+    data = json.dumps(value).encode() if group.rank == src else None
+    return json.loads(broadcast_bytes(group, data, src).decode())
+
+
+def broadcast_state(group: Group, states: Mapping[str, Any] | None, src: int
+                    ) -> tuple[dict[str, Any] | None, int]:
+    """Send state dicts from ``src`` to every rank; (what arrived, bytes sent).
+
+    Serialised with ``torch.save`` and read back with ``weights_only=True``: a peer's bytes
+    run no pickled code. Tensors arrive on the group's device.
+    """
+    data = None
     if group.rank == src:
-        data = json.dumps(value).encode()
-        size = torch.tensor([len(data)], dtype=torch.int64, device=group.device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=group.device)
-    dist.broadcast(size, src)
+        buffer = io.BytesIO()
+        torch.save(dict(states or {}), buffer)
+        data = buffer.getvalue()
+    received = broadcast_bytes(group, data, src)
     if group.rank == src:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(group.device)
-    else:
-        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=group.device)
-    dist.broadcast(buffer, src)
-    return json.loads(bytes(buffer.cpu().tolist()).decode())
+        return None, len(received)
+    map_location = group.device if group.device.type == "cuda" else "cpu"
+    return torch.load(io.BytesIO(received), map_location=map_location,
+                      weights_only=True), len(received)
 
 
 def sum_over_ranks(group: Group, values: torch.Tensor) -> list[float]:
@@ -133,7 +301,7 @@ def sum_over_ranks(group: Group, values: torch.Tensor) -> list[float]:
     all-reduce, so that every rank leaves the loop at the same step.
     """
     if group.world_size > 1:
-        dist.all_reduce(values)
+        _wait(dist.all_reduce(values, async_op=True))
     return values.tolist()
 
 
@@ -142,7 +310,7 @@ def all_true(group: Group, flag: bool) -> bool:
     if group.world_size == 1:
         return flag
     vote = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group.device)
-    dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+    _wait(dist.all_reduce(vote, op=dist.ReduceOp.MIN, async_op=True))
     return bool(vote.item())
 
 

@@ -35,6 +35,12 @@ class WorkerEnv:
     prometheus_multiproc_dir: str | None = None
     group_world_size: int = 1
     rendezvous_seconds: float | None = None
+    live_recovery: bool = False
+    """The agent restarts single workers into the running world (``elastic-train run``)."""
+    live_generation: int = 0
+    """Non-zero: this worker was started again into generation N of a running world."""
+    live_store: str | None = None
+    """HOST:PORT of the agent's store for live recovery."""
 
     @property
     def is_rank0(self) -> bool:
@@ -62,6 +68,13 @@ RENDEZVOUS_SECONDS = "ELASTIC_TRAIN_RENDEZVOUS_SECONDS"
 # A JSON file of values the agent learned after a forked worker's environment was fixed,
 # read over the environment (``agent_env.set_for_workers`` writes it):
 WORKER_ENV_FILE = "ELASTIC_TRAIN_WORKER_ENV_FILE"
+# Live recovery (live_agent.py sets them): "1" when the agent restarts single workers into the
+# running world; the generation a restarted worker joins:
+LIVE_RECOVERY = "ELASTIC_TRAIN_LIVE_RECOVERY"
+LIVE_GENERATION = "ELASTIC_TRAIN_LIVE_GENERATION"
+# HOST:PORT of the store the agent keeps for its workers' process groups under live recovery
+# (it outlives any worker, rank 0 included):
+LIVE_STORE = "ELASTIC_TRAIN_LIVE_STORE"
 
 
 def _seconds(environ: Mapping[str, str], key: str) -> float | None:
@@ -96,6 +109,9 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
                                          env.get("prometheus_multiproc_dir")),
         group_world_size=_int(env, "GROUP_WORLD_SIZE", 1),
         rendezvous_seconds=_seconds(env, RENDEZVOUS_SECONDS),
+        live_recovery=env.get(LIVE_RECOVERY) == "1",
+        live_generation=_int(env, LIVE_GENERATION, 0),
+        live_store=env.get(LIVE_STORE) or None,
     )
 
 

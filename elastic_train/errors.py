@@ -101,3 +101,8 @@ class RendezvousConfigError(ConfigError, ValueError):
 
 class RendezvousUnavailableError(ElasticTrainError):
     """The rendezvous service cannot be reached or lacks what the chosen backend needs."""
+
+
+class LiveRecoveryError(DistributedError):
+    """The world could not re-form in place (no worker holds the state, a member did not
+    come back in time): the worker fails, and the agent's restart path takes over."""

@@ -27,6 +27,7 @@ class Event(StrEnum):
     RESIZE = "resize"
     BATCH_PLAN = "batch_plan"
     RESTART = "restart"
+    RECOVERY = "recovery"
     STARTUP = "startup"
     STEP = "step"
     PREEMPTED = "preempted"
@@ -130,6 +131,33 @@ class Restart(EventRecord):
     event: ClassVar[Event] = Event.RESTART
     restart: int
     step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recovery(EventRecord):
+    """The world re-formed after a failure: ``kind`` live (in place, state from a peer) or
+    restart (every worker started again from the newest checkpoint).
+
+    ``failed_ranks``: the workers the agent started again (live); ``step``: the step the
+    world goes on from; ``steps_redone``: steps whose work was lost (the step in flight on a
+    live recovery; the steps after the checkpoint on a restart); ``seconds``: from the
+    agent's detection of the failure to the state in place on every rank (live), or null;
+    ``bytes``: the state sent between workers (live) or read from disk (restart).
+    """
+
+    event: ClassVar[Event] = Event.RECOVERY
+    omitted_when_none: ClassVar[frozenset[str]] = frozenset({"generation", "source_rank"})
+    kind: str
+    restart: int
+    step: int
+    world_size: int
+    previous_world_size: int | None
+    failed_ranks: list[int] | None
+    steps_redone: int | None
+    seconds: float | None
+    bytes: int | None
+    generation: int | None = None
+    source_rank: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

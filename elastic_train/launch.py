@@ -148,8 +148,19 @@ def first_failure_line(exc: BaseException) -> str:
     return f"rank {rank} failed: {text}"
 
 
-def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str) -> None:
-    """Run the elastic agent in this process until the job ends."""
+def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
+            recovery: str = "live") -> None:
+    """Run the elastic agent in this process until the job ends (``recovery``: the job's
+    --recovery; live_agent.py)."""
+
+    from elastic_train.live_agent import live_agent_installed
+
+    with live_agent_installed(recovery):
+        _launch_agent(args, job_args, worker_start)
+
+
+def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
+                  ) -> None:
     from torch.distributed import run as torchrun
 
     if worker_start == "subprocess":
@@ -210,7 +221,8 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
         return exc.exit_code
     timing.install()
     try:
-        _launch(torchrun.parse_args(cmd), job_args, ns.worker_start)
+        _launch(torchrun.parse_args(cmd), job_args, ns.worker_start,
+                config.distributed.recovery)
     except SignalException as exc:
         # The agent passed the signal to the workers, which checkpointed and exited 0.
         # Non-zero here so that a restart policy brings a preempted node back.

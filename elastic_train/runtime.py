@@ -33,8 +33,18 @@ from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
-from elastic_train.event_schema import End, Preempted, Rendezvous, Resize, Restart, Start
+from elastic_train.errors import LiveRecoveryError
+from elastic_train.event_schema import (
+    End,
+    Preempted,
+    Recovery,
+    Rendezvous,
+    Resize,
+    Restart,
+    Start,
+)
 from elastic_train.events import EventLog, EventObserver, Incarnation, previous_incarnation
+from elastic_train.live_recovery import LiveWorld
 from elastic_train.preemption import StopRequest, node_stopped
 from elastic_train.rundir import RunDir
 from elastic_train.save_failure import SaveFailureStop
@@ -60,6 +70,18 @@ class Vote:
 
 GO_ON = Vote(0.0, False, False)
 """The vote of a loop that ran out of steps (or ran none)."""
+
+
+@dataclass(frozen=True)
+class Rejoined:
+    """The world re-formed in place (live recovery): where every member goes on from."""
+
+    group: Group
+    step: int
+    """The newest step any member held: every member holds its state now."""
+    steps_redone: int
+    bytes: int
+    source_rank: int
 
 
 def say_on_stderr(text: str) -> None:
@@ -96,6 +118,9 @@ class WorkerRuntime:
         self.stopped_at: int | None = None
         """The step the job stopped at (a SIGTERM), or None."""
         self.stopped_nodes: tuple[int, ...] = ()
+        self.live: LiveWorld | None = None
+        """Set when this worker's world re-forms in place after a lost worker."""
+        self._previous: Incarnation | None = None
         self._installed = False
 
     # ---- life cycle ------------------------------------------------------------------------
@@ -123,6 +148,7 @@ class WorkerRuntime:
         if self.group.rank == 0:
             self._record_rendezvous(previous)
         self.save_failure.refuse_restart(previous, self.run_dir.checkpoints)
+        self._previous = previous
         return previous
 
     def _record_rendezvous(self, previous: Incarnation | None) -> None:
@@ -156,7 +182,92 @@ class WorkerRuntime:
         restored = self.checkpoints.restore(dict(objects))
         if restored is not None and self.env.restart_count:
             self.events.emit(Restart(restart=self.env.restart_count, step=restored.step))
+            previous = self._previous
+            last = previous.last_step if previous is not None else None
+            self.events.emit(Recovery(
+                kind="restart", restart=self.env.restart_count, step=restored.step,
+                world_size=self.group.world_size,
+                previous_world_size=previous.world_size if previous else None,
+                failed_ranks=None,
+                steps_redone=max(0, last - restored.step) if last is not None else None,
+                seconds=None, bytes=None))
         return restored
+
+    # ---- live recovery -------------------------------------------------------------------
+    def set_group(self, group: Group) -> None:
+        """This worker's new process group (the world re-formed in place)."""
+        self.group = group
+        self.checkpoints.group = group
+        self.save_failure.group = group
+
+    def rejoin(self, objects: Mapping[str, Stateful], *, step: int,
+               attempted: int | None = None) -> Rejoined:
+        """A survivor of a lost worker: leave the old process group, meet every member of
+        the new generation in a new one, and bring every member to the newest state.
+
+        ``step``: the step this member's state is at; ``attempted``: the step it was in
+        when its collective failed. Raises ``LiveRecoveryError`` when the members do not
+        all come back or none holds state; the worker then fails and the agent restarts
+        the job from disk.
+        """
+        assert self.live is not None
+        previous_world = self.group.world_size
+        distributed.abandon_group()
+        self.set_group(self.live.join())
+        return self._share_and_report(objects, step, attempted, previous_world)
+
+    def arrive(self, objects: Mapping[str, Stateful]) -> Rejoined:
+        """A worker started again into a running world (its group formed by
+        ``LiveWorld.join``): receive the newest state from a survivor."""
+        return self._share_and_report(objects, None, None, self.group.world_size)
+
+    def _share_and_report(self, objects: Mapping[str, Stateful], step: int | None,
+                          attempted: int | None, previous_world: int) -> Rejoined:
+        assert self.live is not None
+        generation = self.live.generation
+        rejoined = self.share_state(objects, step=step, attempted=attempted)
+        failure = self.live.failure(generation)
+        since = time.time() - failure.detected_at if failure.detected_at else None
+        self.events.emit(Recovery(
+            kind="live", restart=self.env.restart_count, step=rejoined.step,
+            world_size=self.group.world_size, previous_world_size=previous_world,
+            failed_ranks=failure.ranks, steps_redone=rejoined.steps_redone,
+            seconds=round(since, 3) if since is not None else None, bytes=rejoined.bytes,
+            generation=generation, source_rank=rejoined.source_rank))
+        if self.group.rank == 0:
+            lost = ", ".join(map(str, failure.ranks)) or "?"
+            self.say(f"live recovery: rank {lost} started again, the world of "
+                     f"{self.group.world_size} re-formed in place (generation {generation}) "
+                     f"at step {rejoined.step}: {rejoined.bytes} bytes of state sent, "
+                     f"{rejoined.steps_redone} step redone")
+        return rejoined
+
+    def share_state(self, objects: Mapping[str, Stateful], *, step: int | None,
+                    attempted: int | None = None) -> Rejoined:
+        """Every member: the lowest rank holding the newest step sends its state to every
+        member behind it (one all-reduce of the steps, one broadcast of the state)."""
+        world, rank = self.group.world_size, self.group.rank
+        tally = torch.zeros(2 * world, dtype=torch.float64, device=self.group.device)
+        tally[rank] = 0 if step is None else step + 1
+        tally[world + rank] = 0 if attempted is None else attempted + 1
+        values = [int(v) - 1 for v in distributed.sum_over_ranks(self.group, tally)]
+        held, tried = values[:world], values[world:]
+        newest = max(held)
+        if newest < 0:
+            raise LiveRecoveryError("no worker of the re-formed world holds the training "
+                                    "state; the job restarts from its newest checkpoint")
+        source = held.index(newest)
+        behind = [r for r, h in enumerate(held) if h < newest]
+        sent = 0
+        if behind:
+            states = {name: obj.state_dict() for name, obj in objects.items()} \
+                if rank == source else None
+            received, sent = distributed.broadcast_state(self.group, states, source)
+            if rank in behind:
+                assert received is not None
+                for name, obj in objects.items():
+                    obj.load_state_dict(received[name])
+        return Rejoined(self.group, newest, 1 if max(tried) > newest else 0, sent, source)
 
     # ---- the step boundary ---------------------------------------------------------------
     @property
@@ -213,6 +324,8 @@ class WorkerRuntime:
         on rank 0 after a final one (an export of the weights); every rank waits for the
         others, and the ``end`` event marks a run that is over.
         """
+        if self.live is not None:
+            self.live.finished()
         if vote.save_failed or self.save_failure.agreed_after_loop():
             self.save_failure.stop(step)
         if vote.stop:
@@ -242,6 +355,8 @@ class WorkerRuntime:
         if self._installed and self.preemption is not None:
             self.preemption.uninstall()
             self._installed = False
+        if self.live is not None:
+            self.live.close()
         self.events.close()
 
     def raise_if_node_stopped(self) -> None:

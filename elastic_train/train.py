@@ -6,16 +6,18 @@ Also runs without torchrun, as a world of one: ``python -m elastic_train.train .
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.config import parse_job_args
-from elastic_train.distributed import destroy_group, init_group
-from elastic_train.env import read_worker_env
+from elastic_train.config import JobConfig, parse_job_args
+from elastic_train.distributed import Group, abandoned_groups, destroy_group, init_group
+from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
+from elastic_train.live_recovery import LiveWorld
 from elastic_train.metrics_server import WorkerEndpoint, serve_worker_metrics
 from elastic_train.process_exit import exit_process
 from elastic_train.rundir import prepare_run_dir
@@ -55,6 +57,28 @@ def _record_for_agent(exc: BaseException) -> None:
         pass
 
 
+LIVE_NEEDS_OUR_AGENT = ("live recovery needs elastic-train run on one node (torchrun's agent "
+                        "restarts every worker on any failure): this job restarts from its "
+                        "newest checkpoint instead (--recovery restart says so and silences "
+                        "this line)")
+
+
+def _live_world(config: JobConfig, env: WorkerEnv) -> LiveWorld | None:
+    """This worker's part in live recovery, when the job asks for it and its agent can."""
+    if config.distributed.recovery != "live" or not env.under_torchrun or env.world_size == 1:
+        return None
+    if not env.live_recovery or not env.live_store:
+        if env.rank == 0 and env.restart_count == 0:
+            print(f"elastic_train: {LIVE_NEEDS_OUR_AGENT}", file=sys.stderr, flush=True)
+        return None
+    d = config.distributed
+
+    def form(generation: int) -> Group:
+        return init_group(env, d.backend, d.timeout_seconds, generation=generation)
+
+    return LiveWorld(env, env.live_generation, d.timeout_seconds, form)
+
+
 @record
 def main(argv: Sequence[str] | None = None, imported_at: float | None = None) -> int:
     """Run one worker; return its exit code (0 done, non-zero failed).
@@ -75,11 +99,16 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                         config.train.seed, config.run_dir))
         group_began = time.time()
-        group = init_group(env, config.distributed.backend, config.distributed.timeout_seconds)
+        live = _live_world(config, env)
+        if live is not None and env.live_generation:  # started again into a running world
+            group = live.join()
+        else:
+            group = init_group(env, config.distributed.backend,
+                               config.distributed.timeout_seconds)
         marks = {"imported": imported_at or IMPORTED, "group_began": group_began,
                  "group_ready": time.time()}
         observers = [endpoint.metrics.observe] if endpoint is not None else []
-        trainer = Trainer(config, env, task, group, marks=marks, observers=observers)
+        trainer = Trainer(config, env, task, group, marks=marks, observers=observers, live=live)
         trainer.run()
         if trainer.state.step >= config.train.steps:   # not after a preemption: no time
             linger = config.metrics.linger_seconds
@@ -109,5 +138,15 @@ def run_worker(*argv: str) -> None:
         sys.exit(code)
 
 
+def _exit(code: int) -> None:
+    """Exit; a process that dropped a group with stuck work (live recovery) skips the
+    interpreter's teardown, whose destructors would wait for that work or abort."""
+    if abandoned_groups():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    exit_process(main())
+    _exit(main())

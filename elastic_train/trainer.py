@@ -11,6 +11,7 @@ batch and the learning rate become; every step event records both.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ from elastic_train.errors import ConfigError
 from elastic_train.event_schema import BatchPlan as BatchPlanEvent
 from elastic_train.event_schema import Hang, Startup, Step
 from elastic_train.events import EventLog, EventObserver, read_events
+from elastic_train.live_recovery import LiveWorld
 from elastic_train.progress import Progress
 from elastic_train.rundir import RunDir
 from elastic_train.runtime import GO_ON, Vote, WorkerRuntime
@@ -94,7 +96,8 @@ class Trainer:
 
     def __init__(self, config: JobConfig, env: WorkerEnv, task: Task, group: Group,
                  out: TextIO | None = None, marks: dict[str, float] | None = None,
-                 observers: Sequence[EventObserver] = ()) -> None:
+                 observers: Sequence[EventObserver] = (), live: LiveWorld | None = None
+                 ) -> None:
         self.config = config
         self.env = env
         self.task = task
@@ -112,8 +115,11 @@ class Trainer:
             self.run_dir, env, group, config.checkpoint,
             preemption_budget=config.distributed.preemption_budget_seconds, meta=meta,
             observers=observers, say=self._print)
+        self.runtime.live = live
         self.events = self.runtime.events
         self.state = TrainerState()
+        self._in_flight: dict[str, Any] | None = None
+        """The sampler's state before the step in flight, until every rank agreed on it."""
         # Replaced after the restore by the job's policy (see _plan_batch).
         self.plan = BatchPlan("constant", config.train.batch_size, 1.0, group.world_size,
                               group.world_size)
@@ -150,6 +156,7 @@ class Trainer:
         rank, world = self.group.rank, self.group.world_size
         self.watchdog.phase("data")
         global_batch = self.plan.global_batch
+        self._in_flight = self.sampler.state_dict()
         batch = self.sampler.next_batch(global_batch)
         mine = batch.shard(rank, world)
         torch.manual_seed(derive_seed(cfg.seed, "step", self.state.step, rank))
@@ -167,29 +174,36 @@ class Trainer:
                 # batch makes the result the mean over the global batch for any split.
                 (loss * (len(chunk) * world / global_batch)).backward()
             loss_sum += loss.detach().double() * len(chunk)
+        if cfg.record_samples:  # before the vote: a step that commits was recorded by all
+            self._record_samples(self.state.step + 1, batch.epoch, batch.offset, mine)
+        if world > 1:
+            self.watchdog.phase("all-reduce of the loss")
+        # The step commits when every rank has voted, before any state changes: a worker
+        # lost before that leaves every survivor's state at the previous step (live
+        # recovery redoes this one); after it, a survivor holds the finished step.
+        vote = self.runtime.vote(loss_sum)
+        self._in_flight = None
         self.watchdog.phase("optimizer")
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if world > 1:
-            self.watchdog.phase("all-reduce of the loss")
-        vote = self.runtime.vote(loss_sum)
         self.state.step += 1
         self.state.samples_seen += global_batch
         self.watchdog.progress(self.state.step)
-        if cfg.record_samples:
-            self._record_samples(batch.epoch, batch.offset, mine)
         return vote.loss_sum / global_batch, vote
 
-    def _record_samples(self, epoch: int, offset: int, indices: torch.Tensor) -> None:
+    def _record_samples(self, step: int, epoch: int, offset: int, indices: torch.Tensor
+                        ) -> None:
+        """One line per rank and step; a step redone is recorded again (the last line of a
+        (step, rank) is the one that counts)."""
         if self._samples_file is None:
             path = self.run_dir.samples_of(self.group.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._samples_file = open(path, "a", buffering=1)
         self._samples_file.write(json.dumps({
-            "time": round(time.time(), 6), "step": self.state.step, "epoch": epoch,
+            "time": round(time.time(), 6), "step": step, "epoch": epoch,
             "offset": offset,
             "world_size": self.group.world_size, "restart": self.env.restart_count,
             "rank": self.group.rank, "indices": indices.tolist()}) + "\n")
@@ -208,23 +222,39 @@ class Trainer:
     def _run(self) -> RunSummary | None:
         cfg = self.config.train
         self._build()
-        self.runtime.start(total_steps=cfg.steps, threads=torch.get_num_threads(),
-                           config=self.config.to_dict())
-        restored = self.runtime.restore(self._stateful())
+        restored = None
+        if self.runtime.live is not None and self.env.live_generation:
+            self.runtime.arrive(self._stateful())  # started again into a running world
+        else:
+            self.runtime.start(total_steps=cfg.steps, threads=torch.get_num_threads(),
+                               config=self.config.to_dict())
+            restored = self.runtime.restore(self._stateful())
+        if self.runtime.live is not None:
+            self.runtime.live.start()
         self._marks["restored"] = time.time()
         self._plan_batch(restored)
-        self._announce(restored)
-        ddp = DistributedDataParallel(
-            self.model,
-            device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
-        ddp.train()
+        if not self.env.live_generation:
+            self._announce(restored)
+        ddp: DistributedDataParallel | None = self._wrap_model()
         self._marks["ddp_ready"] = time.time()
         self.watchdog = self._make_watchdog().start()
         # A resume at the last step runs no step at all.
         first_step, vote = True, GO_ON
         while self.state.step < cfg.steps:
             began = time.monotonic()
-            loss, vote = self._step(ddp)
+            try:
+                assert ddp is not None
+                loss, vote = self._step(ddp)
+            except Exception:
+                if self.runtime.live is None or self.runtime.live.announced() is None:
+                    raise
+                lost_peer = True
+            else:
+                lost_peer = False
+            if lost_peer:
+                ddp = None  # its reducer's hooks go with it (before a new one is made)
+                ddp = self._recover_in_place()
+                continue
             step_seconds = time.monotonic() - began
             if first_step:  # the start-up timeline, for recovery measurements
                 self.events.emit(Startup(restart=self.env.restart_count,
@@ -248,6 +278,35 @@ class Trainer:
         self.watchdog.stop()  # the final save may take long: not a stalled step
         self.runtime.end(self.state.step, self._stateful(), vote)
         return self._finish()
+
+    def _wrap_model(self) -> DistributedDataParallel:
+        """DDP over this world's group; under live recovery its gradient all-reduce is one
+        that a lost peer ends at once (distributed.abortable_allreduce_hook)."""
+        gc.collect()  # a previous world's DDP, if any, must be gone with its hooks
+        ddp = DistributedDataParallel(
+            self.model,
+            device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
+        if self.runtime.live is not None:
+            ddp.register_comm_hook(None, distributed.abortable_allreduce_hook)
+        ddp.train()
+        return ddp
+
+    def _recover_in_place(self) -> DistributedDataParallel:
+        """A worker was lost and the agent started it again: re-form the world with it,
+        keeping this process and its state; the step in flight is redone unless some
+        survivor finished it (then everyone takes that survivor's state)."""
+        self.watchdog.stop()
+        attempted = self.state.step + 1
+        if self._in_flight is not None:  # the step did not commit here: go back before it
+            self.sampler.load_state_dict(self._in_flight)
+            self._in_flight = None
+        self.optimizer.zero_grad(set_to_none=True)
+        rejoined = self.runtime.rejoin(self._stateful(), step=self.state.step,
+                                       attempted=attempted)
+        self.group = rejoined.group
+        ddp = self._wrap_model()
+        self.watchdog = self._make_watchdog().start()
+        return ddp
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
         timeout = self.config.distributed.step_timeout_seconds

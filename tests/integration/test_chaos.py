@@ -39,7 +39,8 @@ def ref(tmp_path: Path, request: pytest.FixtureRequest) -> dict[int, str]:
 def test_random_kills_never_change_the_result(tmp_path: Path, ref: dict[int, str]) -> None:
 
     rng = random.Random(int(os.environ.get("ET_CHAOS_SEED", "7")))
-    job = harness.elastic_run(tmp_path / "chaos", [*JOB, "--max-restarts", str(KILLS + 2)])
+    job = harness.elastic_run(tmp_path / "chaos", [*JOB, "--max-restarts", str(KILLS + 2),
+                                                  "--recovery", "restart"])
     kills = []
     try:
         for n in range(KILLS):

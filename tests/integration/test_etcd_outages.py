@@ -69,7 +69,7 @@ def test_training_goes_on_while_etcd_is_down_and_restarts_after_it_is_back(
         request: pytest.FixtureRequest) -> None:
     run_dir = tmp_path / "run"
     job = harness.elastic_run(run_dir, [*etcd_v3_args(own_etcd.endpoint, "outage"), *JOB,
-                                        *PACED, "--max-restarts", "2"])
+                                        *PACED, "--max-restarts", "2", "--recovery", "restart"])
     try:
         job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 10, TIMEOUT)
         down_at = time.time()

@@ -85,7 +85,8 @@ def test_sigkill_resume_is_bitwise_exact(reference: tuple[str, Path], tmp_path: 
     forked from its forkserver): each resume uses the newest checkpoint, and the run ends
     with the reference's weights, bit for bit."""
     run_dir = tmp_path / "run"
-    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", str(len(KILLS))])
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", str(len(KILLS)),
+                                        "--recovery", "restart"])
     try:
         for restart, (what, rank, when, _) in enumerate(KILLS):
             job.wait_for_event(lambda e, when=when, restart=restart:

@@ -75,7 +75,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         "--max-restarts", "2", "--preset", "tiny", "--steps", str(STEPS),
         "--batch-size", str(BATCH), "--checkpoint-every", str(EVERY),
         "--metrics-port", str(base), "--metrics-address", "127.0.0.1", "--metrics-linger", "30",
-        "--min-world-size", "2"])
+        "--min-world-size", "2", "--recovery", "restart"])
     try:
         if server is not None:   # kill once Prometheus has seen both workers past step 25
             def alive() -> None:
