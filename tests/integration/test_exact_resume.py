@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.train import LIVE_NEEDS_OUR_AGENT
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow
@@ -117,7 +118,8 @@ def _incarnation_of(job: harness.Job, event: dict) -> int:
 
 def test_plain_torchrun_survives_a_kill_exactly(reference: tuple[str, Path],
                                                 tmp_path: Path) -> None:
-    """Under plain torchrun (a fresh interpreter per restart) the resume is exact too."""
+    """Under plain torchrun (a fresh interpreter per restart) the resume is exact too; its
+    agent restarts every worker, so the job says once that live recovery needs ours."""
     run_dir = tmp_path / "run"
     job = harness.torchrun(run_dir, JOB, max_restarts=3)
     try:
@@ -129,6 +131,7 @@ def test_plain_torchrun_survives_a_kill_exactly(reference: tuple[str, Path],
     assert restarted_from(job) == [10]
     assert harness.final_digest(run_dir) == reference[0]
     assert "restarts survived 1 (5 steps redone)" in job.output()
+    assert job.output().count(f"elastic_train: {LIVE_NEEDS_OUR_AGENT}") == 1
 
 
 def test_reference_sees_each_sample_once_per_epoch(reference: tuple[str, Path]) -> None:

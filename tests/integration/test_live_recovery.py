@@ -1,0 +1,138 @@
+"""Live recovery (``elastic-train run``, one node): a SIGKILLed worker is started again alone,
+takes the state from a survivor over the new process group, and the run ends with the
+weights of a run never killed, bit for bit.
+
+Real workers forked from the forkserver, real SIGKILLs at the moments that matter (mid-step,
+right after a checkpoint step while rank 0 persists it, a second kill while the world is
+re-forming), the PIDs of the survivors (they must not restart), the event log (one recovery
+per failure, at most one step redone, no checkpoint loaded), the samples each step used
+(each sample once per epoch), and the fallback to the restart path when no worker survives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.integration import harness
+from tests.integration.harness import TINY_DROPOUT, TINY_DROPOUT_STEPS
+
+pytestmark = pytest.mark.slow
+
+JOB = [*TINY_DROPOUT, "--checkpoint-every", "5", "--keep-checkpoints", str(TINY_DROPOUT_STEPS),
+       "--log-every", "20", "--record-samples", "true"]
+TIMEOUT = 180
+
+
+def _step(n: int):
+    return lambda e: e["event"] == "step" and e["step"] == n
+
+
+def _new_pid(job: harness.Job, rank: int, old: int, timeout: float = 30) -> int:
+    """The pid of ``rank`` once the agent started it again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = harness.workers_of(job.proc.pid).get(rank)
+        if pid is not None and pid != old:
+            return pid
+        time.sleep(0.005)
+    raise AssertionError(f"rank {rank} was not started again within {timeout}s:\n"
+                         f"{job.report()}")
+
+
+def _samples_per_epoch(run_dir: Path) -> dict[int, list[int]]:
+    """{epoch: indices} of the steps that made the final weights: the last record of each
+    (step, rank) counts (a step redone is recorded again)."""
+    latest: dict[tuple[int, int], dict] = {}
+    for path in (run_dir / "samples").glob("rank-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            latest[(record["step"], record["rank"])] = record
+    steps = {step for step, _ in latest}
+    assert steps == set(range(1, TINY_DROPOUT_STEPS + 1)), sorted(steps)
+    by_epoch: dict[int, list[int]] = defaultdict(list)
+    for record in latest.values():
+        by_epoch[record["epoch"]].extend(record["indices"])
+    return by_epoch
+
+
+def test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact(
+        tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
+    """Three failures in one run: rank 1 mid-interval; rank 0 right after a checkpoint
+    step (its persist in flight); rank 1 and then its replacement while it joins. The
+    survivor of each keeps its pid, the run loads no checkpoint, every failure redoes at
+    most one step, and the final weights (and every checkpoint) equal the reference's."""
+    run_dir = tmp_path / "run"
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "4"])
+    survivors_kept: list[bool] = []
+    try:
+        job.wait_for_event(_step(7), TIMEOUT)
+        pids = job.worker_pids()
+        job.kill_worker(1)                                   # mid-interval
+        _new_pid(job, 1, pids[1])
+        job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
+        survivors_kept.append(job.worker_pids()[0] == pids[0])
+
+        job.wait_for_event(_step(20), TIMEOUT)                # a checkpoint is due at 20
+        pids = job.worker_pids()
+        job.kill_worker(0)                                   # the writer, mid-persist
+        _new_pid(job, 0, pids[0])
+        job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 20, TIMEOUT)
+        survivors_kept.append(job.worker_pids()[1] == pids[1])
+
+        job.wait_for_event(_step(30), TIMEOUT)
+        pids = job.worker_pids()
+        job.kill_worker(1)
+        replacement = _new_pid(job, 1, pids[1])
+        os.kill(replacement, signal.SIGKILL)                          # while it joins
+        _new_pid(job, 1, replacement)
+        assert job.wait(TIMEOUT) == 0, job.report()
+        survivors_kept.append(harness.workers_of(job.proc.pid).get(0, pids[0]) == pids[0])
+    finally:
+        job.stop()
+    assert survivors_kept == [True, True, True], job.report()
+    events = job.events()
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1, job.report()           # no worker group restarted
+    assert "checkpoint_loaded" not in names
+    recoveries = [e for e in events if e["event"] == "recovery"]
+    assert [e["kind"] for e in recoveries] == ["live"] * len(recoveries)
+    assert len(recoveries) in (3, 4), recoveries  # the last kill may land before its join
+    assert [e["failed_ranks"] for e in recoveries[:2]] == [[1], [0]]
+    assert all(e["steps_redone"] <= 1 and e["bytes"] > 0 for e in recoveries), recoveries
+    assert all(e["seconds"] is not None and e["seconds"] < 30 for e in recoveries)
+    # The final weights and every checkpoint written are the reference's, bit for bit.
+    assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
+    for row in harness.checkpoint_listing(run_dir):
+        assert row["model_digest"] == tiny_dropout_reference[row["step"]], row
+    for epoch, seen in _samples_per_epoch(run_dir).items():
+        assert len(seen) == len(set(seen)), f"epoch {epoch} repeats samples"
+    out = job.output()
+    assert "live recovery: rank 1 started again, the world of 2 re-formed in place" in out
+    assert "restarts survived" not in out or "restarts survived 0" in out
+
+
+def test_when_no_worker_survives_the_job_restarts_from_its_checkpoint(
+        tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
+    """Both workers SIGKILLed at once: no one holds the state, so the agent takes torch's
+    restart path and the newest checkpoint; the result is still exact."""
+    run_dir = tmp_path / "run"
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "3"])
+    try:
+        job.wait_for_event(_step(12), TIMEOUT)
+        for pid in job.worker_pids().values():
+            os.kill(pid, signal.SIGKILL)
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    events = job.events()
+    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert loaded and loaded[0]["step"] == 10, job.report()
+    assert [e["kind"] for e in events if e["event"] == "recovery"][-1] == "restart"
+    assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
