@@ -130,6 +130,20 @@ class WorkerMetrics:
                            "skipped at restore")
         self.failed = now(Counter, "checkpoint_failures", "Rank 0: checkpoint writes that "
                           "failed (disk full, permissions); the last good one stays")
+        recoveries = family(Counter, "recoveries", "Recoveries this worker took part in, by "
+                            "kind: live (the world re-formed in place, state from a peer) or "
+                            "restart (every worker restarted from the newest checkpoint)",
+                            extra=("kind",))
+        self.recoveries = {kind: recoveries.labels(**labels, kind=kind)
+                           for kind in ("live", "restart")}
+        self.live_recovery_duration = now(
+            Histogram, "live_recovery_duration_seconds", "Seconds from the agent noticing a "
+            "lost worker to the state in place on every rank (live recovery)",
+            buckets=CHECKPOINT_BUCKETS)
+        self.steps_redone = now(Counter, "recovery_steps_redone", "Steps whose work a "
+                                "recovery threw away (live: at most the step in flight)")
+        self.state_transfer_bytes = now(Counter, "state_transfer_bytes", "Bytes of training "
+                                        "state sent between workers by live recoveries")
         self.world_size.set(env.world_size)
         self.restarts.inc(env.restart_count)
         self.max_restarts.set(env.max_restarts)
@@ -178,7 +192,7 @@ class WorkerMetrics:
             Event.START: self._on_start, Event.RENDEZVOUS: self._on_rendezvous,
             Event.STARTUP: self._on_startup, Event.STEP: self._on_step,
             Event.CHECKPOINT_SAVED: self._on_saved, Event.CHECKPOINT_LOADED: self._on_loaded,
-            Event.CHECKPOINT_SKIPPED: self._on_skipped,
+            Event.CHECKPOINT_SKIPPED: self._on_skipped, Event.RECOVERY: self._on_recovery,
             Event.CHECKPOINT_FAILED: lambda record: self.failed.inc(),
         }
 
@@ -252,6 +266,15 @@ class WorkerMetrics:
         self.step.set(int(record["step"]))
         if self.rank == 0 and record.get("saved_time") is not None:
             self._good_checkpoint(int(record["step"]), float(record["saved_time"]))
+
+    def _on_recovery(self, record: Mapping[str, Any]) -> None:
+        kind = record.get("kind")
+        if kind in self.recoveries:
+            self.recoveries[kind].inc()
+        if kind == "live" and record.get("seconds") is not None:
+            self.live_recovery_duration.observe(record["seconds"])
+        self.steps_redone.inc(record.get("steps_redone") or 0)
+        self.state_transfer_bytes.inc(record.get("bytes") or 0 if kind == "live" else 0)
 
     def _on_skipped(self, record: Mapping[str, Any]) -> None:
         self.skipped.inc()

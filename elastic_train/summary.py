@@ -26,6 +26,8 @@ class RunSummary:
     steps_redone: int
     world_sizes: tuple[int, ...]
     loss_window: int = 10
+    live_recoveries: tuple[float | None, ...] = ()
+    """Seconds of each live recovery (detection to state in place; None: not known)."""
 
     def lines(self) -> list[str]:
         loss = "n/a" if self.final_loss is None else f"{self.final_loss:.4f}"
@@ -37,8 +39,17 @@ class RunSummary:
             f"  checkpoints       {self.checkpoints_written} written, "
             f"{self.checkpoints_skipped} skipped as corrupt",
             f"  restarts survived {self.restarts} ({self.steps_redone} steps redone)",
+            *self._live_lines(),
             f"  world size        {sizes}",
         ]
+
+    def _live_lines(self) -> list[str]:
+        if not self.live_recoveries:
+            return []
+        known = [s for s in self.live_recoveries if s is not None]
+        timing = f", {max(known):.2f} s at most" if known else ""
+        return [f"  live recoveries   {len(self.live_recoveries)} (workers replaced in place, "
+                f"state from a peer{timing})"]
 
 
 def _newest_launch(records: list[dict[str, Any]], run_id: str | None) -> tuple[int, int]:
@@ -111,5 +122,7 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
         steps_redone=redone,
         world_sizes=tuple(sizes),
         loss_window=len(tail) or LOSS_WINDOW,
+        live_recoveries=tuple(e.get("seconds") for e in segment
+                              if e["event"] == Event.RECOVERY and e.get("kind") == "live"),
     )
 
