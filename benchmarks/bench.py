@@ -16,9 +16,12 @@ are shared and noisy), with the median and the spread (min-max) over the repetit
    checkpoints (and the baseline with its synchronous torch.save, for reference);
 2. training stall per checkpoint: ours (snapshot + any wait) vs the baseline's torch.save,
    and vs the physical floor (copying the same bytes in memory);
-3. recovery after SIGKILL of one worker (single node, c10d): kill -> first completed step,
-   ours vs baseline, broken into agent (detection + re-rendezvous + spawn), imports,
-   process group, build + restore, DDP, first step;
+3. recovery after SIGKILL of one worker (single node, c10d): kill -> next completed step,
+   for the baseline, our restart path (--recovery restart) and our live recovery (the
+   default: only the dead worker starts again, the state comes from the survivor), with
+   the restart paths broken into agent (detection + re-rendezvous + spawn), imports,
+   process group, build + restore, DDP, first step, and the live path into re-formed
+   (detection, the new worker's start, the new group, the state sent) and first step;
 4. lost work per failure: steps redone; and the job's start (launch -> first completed
    step) of the same runs.
 """
@@ -86,11 +89,14 @@ def _run_baseline(run_dir: Path, p: Preset, every: int) -> harness.Job:
     return harness.start(argv, run_dir, cwd=run_dir.parent)
 
 
-def _run_ours(run_dir: Path, p: Preset, every: int, tree: Path | None = None) -> harness.Job:
+def _run_ours(run_dir: Path, p: Preset, every: int, tree: Path | None = None,
+              recovery: str = "live") -> harness.Job:
     """Our job; ``tree``: another checkout of elastic_train runs it (--compare-with)."""
     args = ["--preset", p.name, "--steps", str(p.steps), "--batch-size", str(p.batch),
             "--checkpoint-every", str(every) if every else "off", "--log-every", "1000",
             "--max-restarts", "3", "--warmup-steps", "0", "--nproc-per-node", str(p.nproc)]
+    if tree is None:
+        args += ["--recovery", recovery]
     env = None if tree is None else harness.job_env({"PYTHONPATH": str(tree)})
     return harness.elastic_run(run_dir, args, env)
 
@@ -295,9 +301,55 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int,
               f"ours / floor = {stall / floor_all:.2f} |")
 
 
+def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int) -> dict[str, float]:
+    """Our live recovery: kill -> the next completed step, with no worker group restart."""
+    launched = time.time()
+    job = _run_ours(run_dir, p, p.every, recovery="live")
+    try:
+        deadline = time.monotonic() + 600
+        while not any(e["event"] == "step" and e["step"] >= kill_at for e in _our_log(run_dir)):
+            if time.monotonic() > deadline or job.proc.poll() is not None:
+                raise SystemExit(f"run never reached step {kill_at}:\n{job.report()}")
+            time.sleep(0.01)
+        events = _our_log(run_dir)
+        first_step = min(e["time"] for e in events if e["event"] == "step")
+        killed_at = time.time()
+        job.kill_worker(1)
+        steps_done = max(e["step"] for e in _our_log(run_dir) if e["event"] == "step")
+        deadline = time.monotonic() + 300
+        while True:
+            events = _our_log(run_dir)
+            live = [e for e in events if e["event"] == "recovery" and e["kind"] == "live"]
+            after = [e for e in events if e["event"] == "step" and live
+                     and e["time"] > live[0]["time"]]
+            if after:
+                break
+            if time.monotonic() > deadline or job.proc.poll() is not None:
+                return {"failed": 1.0}
+            time.sleep(0.01)
+    finally:
+        job.stop()
+    recovered, step = live[0], after[0]
+    detected = recovered.get("detected_at", killed_at)
+    return {
+        "job start": first_step - launched,
+        "total": step["time"] - killed_at,
+        "detected": detected - killed_at,
+        "new worker + group": recovered.get("joined_at", detected) - detected,
+        "state sent": recovered.get("state_at", recovered["time"]) - recovered.get(
+            "joined_at", detected),
+        "first step": step["time"] - recovered["time"],
+        "lost steps": float(steps_done - (step["step"] - 1)),
+        "bytes sent": float(recovered["bytes"]),
+        "restarts used": 0.0,
+        "failed": 0.0,
+    }
+
+
 def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[str, float]:
     launched = time.time()
-    job = _run_ours(run_dir, p, p.every) if ours else _run_baseline(run_dir, p, p.every)
+    job = _run_ours(run_dir, p, p.every, recovery="restart") if ours \
+        else _run_baseline(run_dir, p, p.every)
     read = (lambda: _our_log(run_dir)) if ours else (lambda: _baseline_log(run_dir))
     try:
         deadline = time.monotonic() + 600
@@ -339,21 +391,25 @@ def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[s
 
 def recovery(tmp: Path, reps: int) -> None:
     p = Preset("small", 100000, 16, 10)
-    results: dict[str, list[dict[str, float]]] = {"baseline": [], "ours": []}
+    results: dict[str, list[dict[str, float]]] = {"baseline": [], "restart": [], "live": []}
     for r in range(reps):
-        for label in ("baseline", "ours"):
+        for label in results:
             kill_at = 25 + 3 * r
-            results[label].append(_recovery_once(tmp / f"recovery-{label}-{r}" / "run",
-                                                 label == "ours", p, kill_at))
+            run_dir = tmp / f"recovery-{label}-{r}" / "run"
+            results[label].append(_live_recovery_once(run_dir, p, kill_at) if label == "live"
+                                  else _recovery_once(run_dir, label == "restart", p, kill_at))
     print(f"\n## 3-4. Recovery after SIGKILL of one worker (small preset, c10d, checkpoint "
           f"every {p.every}, {reps} repetition(s))")
-    print("| part | baseline s | ours s | ours / baseline |")
-    print("|---|---|---|---|")
-    for key in ("total", "agent", "imports", "group", "build+restore", "ddp", "first step",
-                "lost steps", "restarts used", "job start"):
-        base = [x[key] for x in results["baseline"] if not x["failed"]]
-        ours = [x[key] for x in results["ours"] if not x["failed"]]
-        print(f"| {key} | {_summary(base)} | {_summary(ours)} | {_ratio(ours, base)} |")
+    print("| part | baseline s | ours, restart s | ours, live s | restart / baseline | "
+          "live / restart |")
+    print("|---|---|---|---|---|---|")
+    for key in ("total", "agent", "imports", "group", "build+restore", "ddp", "detected",
+                "new worker + group", "state sent", "first step", "lost steps", "bytes sent",
+                "restarts used", "job start"):
+        base, restart, live = ([x[key] for x in results[label] if not x["failed"] and key in x]
+                               for label in ("baseline", "restart", "live"))
+        print(f"| {key} | {_summary(base)} | {_summary(restart)} | {_summary(live)} | "
+              f"{_ratio(restart, base)} | {_ratio(live, restart)} |")
     for label, runs in results.items():
         failed = sum(int(x["failed"]) for x in runs)
         print(f"{label}: {len(runs) - failed} of {len(runs)} kills recovered"

@@ -147,6 +147,7 @@ class Recovery(EventRecord):
 
     event: ClassVar[Event] = Event.RECOVERY
     omitted_when_none: ClassVar[frozenset[str]] = frozenset({"generation", "source_rank"})
+    flattened: ClassVar[frozenset[str]] = frozenset({"marks"})
     kind: str
     restart: int
     step: int
@@ -158,6 +159,10 @@ class Recovery(EventRecord):
     bytes: int | None
     generation: int | None = None
     source_rank: int | None = None
+    marks: Mapping[str, float] = field(default_factory=dict)
+    """Live: Unix times on rank 0 of ``detected_at`` (the agent), ``failed_at`` (its step
+    failed; a started-again rank 0: ``process_start``), ``joined_at`` (new group formed)
+    and ``state_at`` (every rank holds the newest state)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -201,7 +201,7 @@ class WorkerRuntime:
         self.save_failure.group = group
 
     def rejoin(self, objects: Mapping[str, Stateful], *, step: int,
-               attempted: int | None = None) -> Rejoined:
+               attempted: int | None = None, failed_at: float | None = None) -> Rejoined:
         """A survivor of a lost worker: leave the old process group, meet every member of
         the new generation in a new one, and bring every member to the newest state.
 
@@ -214,26 +214,35 @@ class WorkerRuntime:
         previous_world = self.group.world_size
         distributed.abandon_group()
         self.set_group(self.live.join())
-        return self._share_and_report(objects, step, attempted, previous_world)
+        marks = {"failed_at": failed_at or time.time(), "joined_at": time.time()}
+        return self._share_and_report(objects, step, attempted, previous_world, marks)
 
-    def arrive(self, objects: Mapping[str, Stateful]) -> Rejoined:
+    def arrive(self, objects: Mapping[str, Stateful], started_at: float | None = None,
+               joined_at: float | None = None) -> Rejoined:
         """A worker started again into a running world (its group formed by
         ``LiveWorld.join``): receive the newest state from a survivor."""
-        return self._share_and_report(objects, None, None, self.group.world_size)
+        marks = {"process_start": started_at or time.time(),
+                 "joined_at": joined_at or time.time()}
+        return self._share_and_report(objects, None, None, self.group.world_size, marks)
 
     def _share_and_report(self, objects: Mapping[str, Stateful], step: int | None,
-                          attempted: int | None, previous_world: int) -> Rejoined:
+                          attempted: int | None, previous_world: int,
+                          marks: dict[str, float]) -> Rejoined:
         assert self.live is not None
         generation = self.live.generation
         rejoined = self.share_state(objects, step=step, attempted=attempted)
+        marks["state_at"] = time.time()
         failure = self.live.failure(generation)
+        if failure.detected_at is not None:
+            marks["detected_at"] = failure.detected_at
         since = time.time() - failure.detected_at if failure.detected_at else None
         self.events.emit(Recovery(
             kind="live", restart=self.env.restart_count, step=rejoined.step,
             world_size=self.group.world_size, previous_world_size=previous_world,
             failed_ranks=failure.ranks, steps_redone=rejoined.steps_redone,
             seconds=round(since, 3) if since is not None else None, bytes=rejoined.bytes,
-            generation=generation, source_rank=rejoined.source_rank))
+            generation=generation, source_rank=rejoined.source_rank,
+            marks={k: round(v, 6) for k, v in marks.items()}))
         if self.group.rank == 0:
             lost = ", ".join(map(str, failure.ranks)) or "?"
             self.say(f"live recovery: rank {lost} started again, the world of "

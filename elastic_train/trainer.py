@@ -11,7 +11,6 @@ batch and the learning rate become; every step event records both.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import math
@@ -224,7 +223,9 @@ class Trainer:
         self._build()
         restored = None
         if self.runtime.live is not None and self.env.live_generation:
-            self.runtime.arrive(self._stateful())  # started again into a running world
+            # Started again into a running world: the state comes from a survivor.
+            self.runtime.arrive(self._stateful(), self._marks.get("process_start"),
+                                self._marks.get("group_ready"))
         else:
             self.runtime.start(total_steps=cfg.steps, threads=torch.get_num_threads(),
                                config=self.config.to_dict())
@@ -233,9 +234,10 @@ class Trainer:
             self.runtime.live.start()
         self._marks["restored"] = time.time()
         self._plan_batch(restored)
+        arrived = self.runtime.live is not None and bool(self.env.live_generation)
         if not self.env.live_generation:
             self._announce(restored)
-        ddp: DistributedDataParallel | None = self._wrap_model()
+        ddp: DistributedDataParallel | None = self._wrap_model(in_sync=arrived)
         self._marks["ddp_ready"] = time.time()
         self.watchdog = self._make_watchdog().start()
         # A resume at the last step runs no step at all.
@@ -246,14 +248,19 @@ class Trainer:
                 assert ddp is not None
                 loss, vote = self._step(ddp)
             except Exception:
+                failed_at = time.time()
                 if self.runtime.live is None or self.runtime.live.announced() is None:
                     raise
                 lost_peer = True
             else:
                 lost_peer = False
             if lost_peer:
-                ddp = None  # its reducer's hooks go with it (before a new one is made)
-                ddp = self._recover_in_place()
+                assert ddp is not None
+                # The old world's DDP must not reduce gradients any more: its hooks on the
+                # parameters go now, not when a garbage collection finds it.
+                ddp.reducer._remove_autograd_hooks()
+                ddp = None
+                ddp = self._recover_in_place(failed_at)
                 continue
             step_seconds = time.monotonic() - began
             if first_step:  # the start-up timeline, for recovery measurements
@@ -279,19 +286,23 @@ class Trainer:
         self.runtime.end(self.state.step, self._stateful(), vote)
         return self._finish()
 
-    def _wrap_model(self) -> DistributedDataParallel:
+    def _wrap_model(self, *, in_sync: bool = False) -> DistributedDataParallel:
         """DDP over this world's group; under live recovery its gradient all-reduce is one
-        that a lost peer ends at once (distributed.abortable_allreduce_hook)."""
-        gc.collect()  # a previous world's DDP, if any, must be gone with its hooks
+        that a lost peer ends at once (distributed.abortable_allreduce_hook).
+
+        ``in_sync``: every rank already holds the same state (a live recovery just sent
+        it), so DDP's own check and broadcast of the parameters are skipped.
+        """
         ddp = DistributedDataParallel(
             self.model,
-            device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None)
+            device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None,
+            init_sync=not in_sync)
         if self.runtime.live is not None:
             ddp.register_comm_hook(None, distributed.abortable_allreduce_hook)
         ddp.train()
         return ddp
 
-    def _recover_in_place(self) -> DistributedDataParallel:
+    def _recover_in_place(self, failed_at: float) -> DistributedDataParallel:
         """A worker was lost and the agent started it again: re-form the world with it,
         keeping this process and its state; the step in flight is redone unless some
         survivor finished it (then everyone takes that survivor's state)."""
@@ -302,9 +313,9 @@ class Trainer:
             self._in_flight = None
         self.optimizer.zero_grad(set_to_none=True)
         rejoined = self.runtime.rejoin(self._stateful(), step=self.state.step,
-                                       attempted=attempted)
+                                       attempted=attempted, failed_at=failed_at)
         self.group = rejoined.group
-        ddp = self._wrap_model()
+        ddp = self._wrap_model(in_sync=True)
         self.watchdog = self._make_watchdog().start()
         return ddp
 
