@@ -334,7 +334,8 @@ class Trainer:
             print(f"elastic_train: error: {finding['message']}", file=sys.stderr, flush=True)
 
         store = distributed.default_store() if self.group.world_size > 1 else None
-        return StepWatchdog(store, self.group.rank, self.group.world_size, timeout, report)
+        return StepWatchdog(store, self.group.rank, self.group.world_size, timeout, report,
+                            replaces_killed=self.runtime.live is not None)
 
     def _plan_batch(self, restored: Restored | None) -> None:
         """Fix this incarnation's global batch and LR scale (after the restore: W0 is in it)."""

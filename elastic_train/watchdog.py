@@ -6,6 +6,10 @@ has completed for ``step_timeout`` seconds, it reads every rank's heartbeat, nam
 that went quiet (a stopped or wedged process stops beating) and where it was, records a
 ``hang`` event, and exits the worker non-zero: torch's agent then restarts the group, which
 resumes from the newest checkpoint. Collective timeouts are the second line of defence.
+
+Under live recovery (``replaces_killed=True``) a rank that killed a stuck peer on its host
+does not exit: the agent starts that peer again and the world re-forms in place
+(live_recovery.py); the watchdog waits another ``step_timeout`` before it judges again.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ class StepWatchdog:
     """Heartbeats for this rank; fails the worker when its loop stalls."""
 
     def __init__(self, store: Any | None, rank: int, world_size: int, step_timeout: float,
-                 report: Callable[[dict[str, Any]], None], interval: float = 1.0) -> None:
+                 report: Callable[[dict[str, Any]], None], interval: float = 1.0,
+                 replaces_killed: bool = False) -> None:
         self.store = store
+        self.replaces_killed = replaces_killed
         self.rank = rank
         self.world_size = world_size
         self.step_timeout = step_timeout
@@ -138,6 +144,16 @@ class StepWatchdog:
             if time.monotonic() - self._last_progress > self.step_timeout:
                 finding = self.diagnose()
                 self._end_local_peer(finding)
+                if self.replaces_killed and finding["killed_pid"] is not None \
+                        and finding["stuck_rank"] != self.rank:
+                    finding["message"] = finding["message"].replace(
+                        "failing this worker so that the job restarts from the newest "
+                        "checkpoint", "the agent starts it again and the world re-forms in "
+                        "place (live recovery)")
+                    log.error("%s", finding["message"])
+                    self.report(finding)
+                    self._last_progress = time.monotonic()
+                    continue
                 log.error("%s", finding["message"])
                 try:
                     self.report(finding)

@@ -136,3 +136,30 @@ def test_when_no_worker_survives_the_job_restarts_from_its_checkpoint(
     assert loaded and loaded[0]["step"] == 10, job.report()
     assert [e["kind"] for e in events if e["event"] == "recovery"][-1] == "restart"
     assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
+
+
+def test_a_stopped_worker_is_named_killed_and_replaced_in_place(
+        tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
+    """SIGSTOP of rank 1: within --step-timeout rank 0's watchdog names it and kills it, the
+    agent starts it again, and the world re-forms in place (rank 0 keeps its pid)."""
+    run_dir = tmp_path / "run"
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "2", "--step-timeout", "3"])
+    try:
+        job.wait_for_event(_step(12), TIMEOUT)
+        pids = job.worker_pids()
+        stopped_at = time.monotonic()
+        job.kill_worker(1, signal.SIGSTOP)
+        hang = job.wait_for_event(lambda e: e["event"] == "hang", TIMEOUT)
+        recovery = job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
+        recovered_after = time.monotonic() - stopped_at
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert hang["stuck_rank"] == 1 and hang["killed_pid"] == pids[1], hang
+    assert recovery["kind"] == "live" and recovery["failed_ranks"] == [1], recovery
+    assert recovered_after < 3 + 10, recovered_after
+    assert harness.workers_of(job.proc.pid).get(0, pids[0]) == pids[0]
+    names = [e["event"] for e in job.events()]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names
+    assert "the agent starts it again and the world re-forms in place" in job.output()
+    assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]

@@ -80,6 +80,7 @@ VALID: dict[str, tuple[str, Any]] = {
     "--collective-timeout": ("30", 30.0),
     "--preemption-budget": ("12.5", 12.5),
     "--step-timeout": ("off", None),
+    "--recovery": ("restart", "restart"),
     "--metrics-port": ("0", 0),
     "--metrics-address": ("127.0.0.1", "127.0.0.1"),
     "--metrics-linger": ("20", 20.0),
@@ -357,6 +358,7 @@ def test_wrong_type_of_run_dir_in_the_file(tmp_path: Path, text: str) -> None:
      "127.0.0.1"),
     (["--metrics-linger", "-1"], "--metrics-linger -1.0 is invalid: it must be >= 0"),
     (["--min-world-size", "-2"], "--min-world-size -2 is invalid: it must be >= 0 (0: not set)"),
+    (["--recovery", "inplace"], "--recovery inplace is invalid: it must be 'live' or 'restart'"),
 ])
 def test_invalid_values_name_the_option_and_the_requirement(argv: list[str],
                                                             message: str) -> None:

@@ -1,0 +1,175 @@
+"""Live recovery's pure parts: abortable waits, the per-worker process contexts' bookkeeping,
+and how a recovery shows in the summary and the metrics. The real thing (real workers,
+real SIGKILLs) is tests/integration/test_live_recovery.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from elastic_train import distributed
+from elastic_train.distributed import CollectiveAborted
+from elastic_train.env import WorkerEnv
+from elastic_train.live_agent import PerWorkerProcesses
+from elastic_train.metrics import WorkerMetrics
+from elastic_train.summary import summarize
+
+
+@pytest.fixture(autouse=True)
+def not_aborted() -> Iterator[None]:
+    distributed._aborted = None
+    yield
+    distributed._aborted = None
+
+
+def test_an_abortable_wait_returns_the_collectives_result() -> None:
+    inner: torch.futures.Future = torch.futures.Future()
+    mine = distributed._abortable(inner)
+    inner.set_result([torch.ones(2)])
+    assert mine.wait()[0].tolist() == [1.0, 1.0]
+
+
+def test_an_abort_ends_waits_now_and_fails_later_collectives_at_once() -> None:
+    inner: torch.futures.Future = torch.futures.Future()
+    mine = distributed._abortable(inner)
+    distributed.abort_collectives("a worker was lost")
+    with pytest.raises(CollectiveAborted, match="a worker was lost"):
+        mine.wait()
+    inner.set_result([torch.ones(1)])  # the stuck work ending later changes nothing
+    later = distributed._abortable(torch.futures.Future())
+    with pytest.raises(CollectiveAborted):
+        later.wait()
+
+
+def test_the_collectives_own_error_reaches_the_waiter() -> None:
+    inner: torch.futures.Future = torch.futures.Future()
+    mine = distributed._abortable(inner)
+    inner.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        mine.wait()
+
+
+def test_generations_have_their_own_store_prefix() -> None:
+    assert distributed.store_prefix("job", 2) == "elastic_train/job/restart-2"
+    assert distributed.store_prefix("job", 2, 3) == "elastic_train/job/restart-2/live-3"
+
+
+# ---- the agent's per-worker contexts --------------------------------------------------------
+@dataclass
+class _Failure:
+    local_rank: int = 0
+    exitcode: int = -9
+
+
+@dataclass
+class _Result:
+    failures: dict[int, Any] = field(default_factory=dict)
+    return_values: dict[int, Any] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return bool(self.failures)
+
+
+class _Context:
+    """A worker's process context with a scripted outcome (None: still running)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.outcome: _Result | None = None
+        self.closed = False
+
+    def pids(self) -> dict[int, int]:
+        return {0: self.pid}
+
+    def wait(self, timeout: float = -1, period: float = 1) -> _Result | None:
+        return self.outcome
+
+    def close(self, death_sig: Any = None, timeout: int = 30) -> None:
+        self.closed = True
+
+
+def _workers(n: int) -> tuple[PerWorkerProcesses, list[_Context]]:
+    started: list[_Context] = []
+
+    def start_one(local_rank: int, env: dict[str, str]) -> Any:
+        started.append(_Context(100 + len(started)))
+        started[-1].env = env  # type: ignore[attr-defined]
+        return started[-1]
+
+    return PerWorkerProcesses(start_one, {lr: {"LOCAL_RANK": str(lr)} for lr in range(n)}), \
+        started
+
+
+def test_one_failed_worker_is_reported_with_its_own_local_rank_and_started_again() -> None:
+    workers, started = _workers(2)
+    assert workers.pids() == {0: 100, 1: 101}
+    assert workers.poll_failed() == ({}, 2)
+    started[1].outcome = _Result(failures={0: _Failure()})
+    failed, running = workers.poll_failed()
+    assert list(failed) == [1] and failed[1].local_rank == 1 and running == 1
+    assert workers.restart(1, {"GEN": "1"}) == 102
+    assert started[2].env == {"LOCAL_RANK": "1", "GEN": "1"}  # type: ignore[attr-defined]
+    assert workers.pids() == {0: 100, 1: 102}
+    assert workers.wait(0) is None  # both running again
+
+
+def test_the_torch_view_is_a_failure_while_unhandled_and_return_values_at_the_end() -> None:
+    workers, started = _workers(2)
+    started[0].outcome = _Result(failures={0: _Failure()})
+    result = workers.wait(0)
+    assert result is not None and list(result.failures) == [0]
+
+    workers, started = _workers(2)
+    started[0].outcome = _Result(return_values={0: "a"})
+    assert workers.wait(0) is None  # one finished, one running
+    assert workers.pids() == {0: 100, 1: 101}  # a finished worker keeps its pid
+    started[1].outcome = _Result(return_values={0: "b"})
+    result = workers.wait(0)
+    assert result is not None and result.return_values == {0: "a", 1: "b"}
+    workers.close()
+
+
+# ---- what a run shows -----------------------------------------------------------------------
+LIVE = {"event": "recovery", "kind": "live", "restart": 0, "step": 15, "world_size": 2,
+        "previous_world_size": 2, "failed_ranks": [1], "steps_redone": 1, "seconds": 0.25,
+        "bytes": 1000, "time": 3.0}
+
+
+def test_the_summary_counts_live_recoveries() -> None:
+    events = [{"event": "start", "run_id": "r", "restart": 0, "world_size": 2,
+               "total_steps": 2, "time": 1.0},
+              {"event": "step", "step": 1, "loss": 1.0, "time": 2.0}, LIVE,
+              {"event": "step", "step": 1, "loss": 1.0, "time": 4.0}]
+    lines = summarize(events, "r").lines()
+    assert "  live recoveries   1 (workers replaced in place, state from a peer, 0.25 s at " \
+           "most)" in lines
+
+
+def test_the_metrics_count_recoveries_by_kind() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, WorkerEnv(world_size=2, run_id="r"), 64)
+    metrics.observe(LIVE)
+    metrics.observe({**LIVE, "kind": "restart", "steps_redone": 4, "bytes": None})
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"run_id": "r", "rank": "0",
+                                                "node": metrics_node(registry), **labels})
+
+    assert value("elastic_train_recoveries_total", kind="live") == 1
+    assert value("elastic_train_recoveries_total", kind="restart") == 1
+    assert value("elastic_train_recovery_steps_redone_total") == 5
+    assert value("elastic_train_state_transfer_bytes_total") == 1000
+    assert value("elastic_train_live_recovery_duration_seconds_count") == 1
+
+
+def metrics_node(registry: CollectorRegistry) -> str:
+    for family in registry.collect():
+        for sample in family.samples:
+            if "node" in sample.labels:
+                return sample.labels["node"]
+    raise AssertionError("no node label")
