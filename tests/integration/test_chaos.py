@@ -18,7 +18,9 @@ from elastic_train.events import read_events
 from tests.integration import harness
 from tests.integration.harness import TINY_DROPOUT_STEPS
 
-pytestmark = pytest.mark.slow
+# The restart path's kills are proven in the default suite by test_exact_resume.py (four
+# chosen moments) and live recovery's by test_live_recovery.py; random ones: make test-extended.
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 KILLS = int(os.environ.get("ET_CHAOS_KILLS", "3"))
 STEPS = max(TINY_DROPOUT_STEPS, 15 * KILLS)
