@@ -46,6 +46,19 @@ def _new_pid(job: harness.Job, rank: int, old: int, timeout: float = 30) -> int:
                          f"{job.report()}")
 
 
+def _wait_until_blocked(pid: int, timeout: float = 30) -> None:
+    """Until the main thread of ``pid`` sleeps in a wait (its peer stopped, it sits in the
+    collective) on five polls in a row."""
+    deadline = time.monotonic() + timeout
+    asleep = 0
+    while asleep < 5:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        asleep = asleep + 1 if state == "S" else 0
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} never blocked (state {state})")
+        time.sleep(0.01)
+
+
 def _samples_per_epoch(run_dir: Path) -> dict[int, list[int]]:
     """{epoch: indices} of the steps that made the final weights: the last record of each
     (step, rank) counts (a step redone is recorded again)."""
@@ -64,12 +77,14 @@ def _samples_per_epoch(run_dir: Path) -> dict[int, list[int]]:
 
 def test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact(
         tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
-    """Three failures in one run: rank 1 mid-interval; rank 0 right after a checkpoint
-    step (its persist in flight); rank 1 and then its replacement while it joins. The
-    survivor of each keeps its pid, the run loads no checkpoint, every failure redoes at
-    most one step, and the final weights (and every checkpoint) equal the reference's."""
+    """Four failures in one run: rank 1 mid-interval; rank 0 right after a checkpoint
+    step (its persist in flight); rank 1 and then its replacement while it joins; rank 1
+    while rank 0 waits for it inside a collective (stopped first, killed once rank 0
+    blocks). The survivor of each keeps its pid, the run loads no checkpoint, every
+    failure redoes at most one step, and the final weights (and every checkpoint) equal the
+    reference's."""
     run_dir = tmp_path / "run"
-    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "4"])
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "5"])  # 5 live restarts
     survivors_kept: list[bool] = []
     try:
         job.wait_for_event(_step(7), TIMEOUT)
@@ -92,19 +107,30 @@ def test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact(
         replacement = _new_pid(job, 1, pids[1])
         os.kill(replacement, signal.SIGKILL)                          # while it joins
         _new_pid(job, 1, replacement)
+        job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 30, TIMEOUT)
+        survivors_kept.append(job.worker_pids()[0] == pids[0])
+
+        job.wait_for_event(_step(38), TIMEOUT)
+        pids = job.worker_pids()
+        os.kill(pids[1], signal.SIGSTOP)
+        _wait_until_blocked(pids[0])                               # inside a collective
+        os.kill(pids[1], signal.SIGKILL)
+        _new_pid(job, 1, pids[1])
         assert job.wait(TIMEOUT) == 0, job.report()
         survivors_kept.append(harness.workers_of(job.proc.pid).get(0, pids[0]) == pids[0])
     finally:
         job.stop()
-    assert survivors_kept == [True, True, True], job.report()
+    assert survivors_kept == [True] * 4, job.report()
     events = job.events()
     names = [e["event"] for e in events]
     assert names.count("start") == 1, job.report()           # no worker group restarted
     assert "checkpoint_loaded" not in names
     recoveries = [e for e in events if e["event"] == "recovery"]
     assert [e["kind"] for e in recoveries] == ["live"] * len(recoveries)
-    assert len(recoveries) in (3, 4), recoveries  # the last kill may land before its join
+    assert len(recoveries) in (4, 5), recoveries  # the replacement's kill may come before
+    # its join (one recovery) or after it (two)
     assert [e["failed_ranks"] for e in recoveries[:2]] == [[1], [0]]
+    assert recoveries[-1]["failed_ranks"] == [1] and recoveries[-1]["step"] >= 38
     assert all(e["steps_redone"] <= 1 and e["bytes"] > 0 for e in recoveries), recoveries
     assert all(e["seconds"] is not None and e["seconds"] < 30 for e in recoveries)
     # The final weights and every checkpoint written are the reference's, bit for bit.
