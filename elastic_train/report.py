@@ -2,7 +2,7 @@
 
 The picture has loss and throughput over steps and over wall time, the step reached and the
 world size over wall time; every failure (with the downtime until training resumed),
-restart, resize and checkpoint is marked. It needs matplotlib (``pip install
+restart, live recovery, resize and checkpoint is marked. It needs matplotlib (``pip install
 'elastic-train[report]'``); the summary does not.
 """
 
@@ -82,6 +82,8 @@ class Timeline:
     failures: list[Failure]
     resizes: list[tuple[float, int, int]]         # (time, old, new world size)
     records: list[dict[str, Any]]
+    live_recoveries: list[dict[str, Any]] = field(default_factory=list)
+    """The ``recovery`` events of kind live: the world re-formed in place."""
 
     @property
     def began(self) -> float:
@@ -126,8 +128,9 @@ def timeline(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Tim
         if before.world_size != after.world_size and None not in (before.world_size,
                                                                   after.world_size):
             resizes.append((after.started, before.world_size, after.world_size))
+    live = [r for r in records if r["event"] == Event.RECOVERY and r.get("kind") == "live"]
     return Timeline(run_id, records[0].get("total_steps"), incarnations, checkpoints,
-                    failures, resizes, records)
+                    failures, resizes, records, live)
 
 
 def summary_lines(line: Timeline) -> list[str]:
@@ -151,6 +154,14 @@ def summary_lines(line: Timeline) -> list[str]:
         out.append(f"  failure {n}         after step {failure.last_step or 0}; resumed from "
                    f"step {failure.resumed_from} ({failure.lost_steps} steps redone); "
                    f"{downtime}")
+    for n, rec in enumerate(line.live_recoveries, 1):
+        ranks = ", ".join(str(r) for r in rec.get("failed_ranks") or []) or "?"
+        seconds = "" if rec.get("seconds") is None else f"; {rec['seconds']:.2f} s from " \
+            "detection to the state in place"
+        out.append(f"  live recovery {n}   rank {ranks} replaced at step {rec['step']} "
+                   f"({rec.get('steps_redone') or 0} step redone, "
+                   f"{(rec.get('bytes') or 0) / 1e6:.1f} MB of state from rank "
+                   f"{rec.get('source_rank', '?')}){seconds}")
     for when, old, new in line.resizes:
         out.append(f"  resize            world size {old} -> {new} after "
                    f"{_duration(when - line.began)}")
@@ -230,6 +241,11 @@ def render(line: Timeline, path: Path) -> None:
                 ax.axvline(failure.last_step, color="tab:red", ls="--", lw=1)
             ax.axvspan(failure.resumed_from, failure.last_step or failure.resumed_from,
                        color="tab:red", alpha=0.15, lw=0)
+    for rec in line.live_recoveries:
+        for ax in (loss_t, rate_t, step_s, world_t):
+            ax.axvline(t(rec["time"]), color="tab:orange", ls="--", lw=1)
+        for ax in (loss_s, rate_s):
+            ax.axvline(rec["step"], color="tab:orange", ls="--", lw=1)
     for when, old, new in line.resizes:
         for ax in (loss_t, rate_t, step_s, world_t):
             ax.axvline(t(when), color="tab:purple", ls="-.", lw=1.2)
@@ -254,11 +270,15 @@ def render(line: Timeline, path: Path) -> None:
     legend = [plt.Line2D([], [], color="tab:green", ls=":", label="checkpoint"),
               plt.Line2D([], [], color="tab:red", ls="--", label="failure (shaded: down / "
                          "redone)"),
+              plt.Line2D([], [], color="tab:orange", ls="--", label="live recovery (in "
+                         "place)"),
               plt.Line2D([], [], color="tab:purple", ls="-.", label="resize")]
     world_t.legend(handles=legend, loc="lower right", fontsize=8)
     done = max((r["step"] for i in line.incarnations for r in i.steps), default=0)
     fig.suptitle(f"run {line.run_id}: {done}/{line.total_steps} steps, "
                  f"{_count(len(line.failures), 'restart')}, "
+                 f"{len(line.live_recoveries)} live "
+                 f"{'recovery' if len(line.live_recoveries) == 1 else 'recoveries'}, "
                  f"{_count(len(line.checkpoints), 'checkpoint')}, "
                  f"world size {' -> '.join(str(s) for s in _changes(sizes)) or 'n/a'}")
     fig.tight_layout()

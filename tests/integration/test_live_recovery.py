@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.report import write_report
 from tests.integration import harness
 from tests.integration.harness import TINY_DROPOUT, TINY_DROPOUT_STEPS
 
@@ -141,6 +142,9 @@ def test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact(
         assert len(seen) == len(set(seen)), f"epoch {epoch} repeats samples"
     out = job.output()
     assert "live recovery: rank 1 started again, the world of 2 re-formed in place" in out
+    report = write_report(run_dir, plot=False).text   # elastic-train report's summary
+    assert report.count("  live recovery ") == len(recoveries), report
+    assert "  live recovery 2   rank 0 replaced at step " in report
     assert "restarts survived 0 (" in out and "  live recoveries   " in out
 
 

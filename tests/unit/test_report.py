@@ -113,3 +113,20 @@ def test_nothing_to_report_is_one_line(tmp_path: Path,
     assert cli.main(["report", str(tmp_path / "nope")]) == 1
     assert capsys.readouterr().err == (f"elastic-train: error: run directory {tmp_path / 'nope'}"
                                        " does not exist: pass the --run-dir of a job\n")
+
+
+def test_a_live_recovery_is_a_line_of_the_summary_and_a_mark_of_the_picture(
+        tmp_path: Path) -> None:
+    events = records()
+    at = next(i for i, e in enumerate(events) if e.get("step") == 6)
+    events.insert(at + 1, {"event": "recovery", "time": 106.5, "kind": "live", "restart": 0,
+                           "step": 6, "world_size": 2, "previous_world_size": 2,
+                           "failed_ranks": [1], "steps_redone": 1, "seconds": 0.43,
+                           "bytes": 10_170_335, "generation": 1, "source_rank": 0})
+    line = timeline(events)
+    assert [r["step"] for r in line.live_recoveries] == [6]
+    report = write_report(write(tmp_path / "run", events))
+    assert "  live recovery 1   rank 1 replaced at step 6 (1 step redone, 10.2 MB of state " \
+           "from rank 0); 0.43 s from detection to the state in place" in report.text
+    assert "  live recoveries   1 (" in report.text
+    assert report.image_path is not None and report.image_path.stat().st_size > 10_000
