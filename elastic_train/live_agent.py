@@ -9,7 +9,8 @@ and starts only the failed ones again; the survivors keep their processes and st
 the world re-forms in place (live_recovery.py, runtime.WorkerRuntime.rejoin).
 
 It falls back to torch's restart path, unchanged, when live recovery cannot help: every
-worker failed (no one holds the state), the job asked for ``--recovery restart``, the
+worker failed (no one holds the state), the world had not restored its state yet or had
+left the training loop, the job asked for ``--recovery restart``, the
 workers do not share the agent's store, or the job has several nodes (each node's agent
 sees only its own workers; re-forming across agents is not built yet). Live restarts are
 bounded by ``--max-restarts`` like group restarts, so a worker that fails again and again
@@ -35,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 
 from elastic_train.distributed import store_prefix
 from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
-from elastic_train.live_recovery import FINISHED_KEY, GENERATION_KEY, failure_key
+from elastic_train.live_recovery import FINISHED_KEY, GENERATION_KEY, READY_KEY, failure_key
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +195,16 @@ class LiveRecoveryAgent(LocalElasticAgent):
         if isinstance(workers, PerWorkerProcesses):
             failed, running = workers.poll_failed()
             if failed and running and self._live_left > 0 \
-                    and not self._store_of_workers(worker_group).check([FINISHED_KEY]):
+                    and self._in_training(self._store_of_workers(worker_group)):
                 self._restart_in_place(worker_group, workers, failed)
                 return RunResult(state=WorkerState.HEALTHY)
         return super()._monitor_workers(worker_group)
+
+    @staticmethod
+    def _in_training(store: dist.Store) -> bool:
+        """The workers hold their state (restored) and have not left the loop: a lost one
+        can be replaced in place."""
+        return store.check([READY_KEY]) and not store.check([FINISHED_KEY])
 
     def _restart_in_place(self, worker_group: WorkerGroup, workers: PerWorkerProcesses,
                           failed: dict[int, Any]) -> None:

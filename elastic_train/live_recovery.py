@@ -37,6 +37,9 @@ from elastic_train.env import WorkerEnv
 from elastic_train.errors import LiveRecoveryError
 
 GENERATION_KEY = "live/generation"
+READY_KEY = "live/ready"
+"""Set once the world holds its state (restored, or received): a worker lost before that
+has no survivor to take the state from, so the agent restarts the group instead."""
 FINISHED_KEY = "live/finished"
 """Set when a worker left the training loop for good: a worker lost after that cannot be
 replaced in place (the others no longer meet), so the agent restarts the group instead."""
@@ -94,6 +97,11 @@ class LiveWorld:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2)
+
+    def ready(self) -> None:
+        """The world holds its state (see ``READY_KEY``)."""
+        with contextlib.suppress(Exception):
+            self._store.set(READY_KEY, "1")
 
     def finished(self) -> None:
         """This worker left the training loop (see ``FINISHED_KEY``)."""

@@ -231,6 +231,7 @@ class Trainer:
                                config=self.config.to_dict())
             restored = self.runtime.restore(self._stateful())
         if self.runtime.live is not None:
+            self.runtime.live.ready()
             self.runtime.live.start()
         self._marks["restored"] = time.time()
         self._plan_batch(restored)
