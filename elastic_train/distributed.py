@@ -68,6 +68,8 @@ class CollectiveAborted(DistributedError):
 _lock = threading.Lock()
 _open: set[torch.futures.Future] = set()
 _aborted: str | None = None
+_generation = 0
+"""The generation of the world this process' group belongs to (live recovery)."""
 _abandoned: list[dist.ProcessGroup] = []
 
 
@@ -99,11 +101,17 @@ def _wait(work: dist.Work | None) -> None:
         _abortable(work.get_future()).wait()
 
 
-def abort_collectives(reason: str) -> None:
+def abort_collectives(reason: str, generation: int | None = None) -> None:
     """Fail every collective waited on now, and every one started later in this group, with
-    ``CollectiveAborted(reason)`` (any thread; live recovery's watcher calls it)."""
+    ``CollectiveAborted(reason)`` (any thread; live recovery's watcher calls it).
+
+    ``generation``: the world that replaces this one; ignored when this process' group
+    already belongs to it (the watcher saw it just before the group was formed).
+    """
     global _aborted
     with _lock:
+        if generation is not None and generation <= _generation:
+            return
         _aborted = reason
         pending = list(_open)
         _open.clear()
@@ -136,6 +144,10 @@ def abandon_group() -> None:
     no destructor joins them (train.py ends such a process with ``os._exit``).
     """
     if not dist.is_initialized():
+        # A group whose forming failed (a member lost meanwhile) still counted itself: the
+        # next one would take its store keys under another index than the members that
+        # start afresh, and never meet them.
+        dist.distributed_c10d._world.group_count = 0
         return
     group = dist.group.WORLD
     with contextlib.suppress(Exception):
@@ -211,10 +223,12 @@ def _store_for(env: WorkerEnv, timeout: timedelta, generation: int = 0) -> dist.
 
 
 def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
-               generation: int = 0) -> Group:
+               generation: int = 0, connect_seconds: float | None = None) -> Group:
     """Form the process group of this incarnation (idempotent within a process);
-    ``generation``: the world re-formed in place that this group belongs to."""
-    global _aborted
+    ``generation``: the world re-formed in place that this group belongs to;
+    ``connect_seconds``: a shorter bound for forming it (a world re-formed in place, where
+    a member lost meanwhile must not hold the others for the whole collective timeout)."""
+    global _aborted, _generation
     device = pick_device(env)
     chosen = pick_backend(backend, device)
     if device.type == "cuda":
@@ -222,16 +236,20 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
     if dist.is_initialized():
         return Group(dist.get_rank(), dist.get_world_size(), chosen, device)
     timeout = timedelta(seconds=timeout_seconds)
-    store = _store_for(env, timeout, generation)
+    connect = timedelta(seconds=min(connect_seconds or timeout_seconds, timeout_seconds))
+    store = _store_for(env, connect, generation)
     with _lock:
         _aborted = None
+        _generation = generation
     try:
         if store is None:
             dist.init_process_group(chosen, init_method="env://", rank=env.rank,
-                                    world_size=env.world_size, timeout=timeout)
+                                    world_size=env.world_size, timeout=connect)
         else:
             dist.init_process_group(chosen, store=store, rank=env.rank,
-                                    world_size=env.world_size, timeout=timeout)
+                                    world_size=env.world_size, timeout=connect)
+        if connect != timeout:
+            dist.group.WORLD.set_timeout(timeout)
     except (RuntimeError, ValueError) as exc:
         raise DistributedError(
             f"rank {env.rank} could not join the process group at {env.master_addr}:"

@@ -120,7 +120,7 @@ class LiveWorld:
                 return
             if latest > self.generation:
                 distributed.abort_collectives(
-                    f"a worker was lost; the world re-forms as generation {latest}")
+                    f"a worker was lost; the world re-forms as generation {latest}", latest)
 
     def announced(self, timeout: float = ANNOUNCE_TIMEOUT) -> int | None:
         """After a failed step: the newer generation the agent announced, or None if none

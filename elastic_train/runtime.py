@@ -200,13 +200,14 @@ class WorkerRuntime:
         self.checkpoints.group = group
         self.save_failure.group = group
 
-    def rejoin(self, objects: Mapping[str, Stateful], *, step: int,
+    def rejoin(self, objects: Mapping[str, Stateful], *, step: int | None,
                attempted: int | None = None, failed_at: float | None = None) -> Rejoined:
         """A survivor of a lost worker: leave the old process group, meet every member of
         the new generation in a new one, and bring every member to the newest state.
 
-        ``step``: the step this member's state is at; ``attempted``: the step it was in
-        when its collective failed. Raises ``LiveRecoveryError`` when the members do not
+        ``step``: the step this member's state is at (None: a worker started again that
+        has not received it yet); ``attempted``: the step it was in when its collective
+        failed. Raises ``LiveRecoveryError`` when the members do not
         all come back or none holds state; the worker then fails and the agent restarts
         the job from disk.
         """

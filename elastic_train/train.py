@@ -63,6 +63,11 @@ LIVE_NEEDS_OUR_AGENT = ("live recovery needs elastic-train run on one node (torc
                         "this line)")
 
 
+JOIN_CONNECT_SECONDS = 15.0
+"""Bound on forming a re-formed world's process group: a member lost between the join's
+barrier and the group costs this long, not the whole --collective-timeout."""
+
+
 def _live_world(config: JobConfig, env: WorkerEnv) -> LiveWorld | None:
     """This worker's part in live recovery, when the job asks for it and its agent can."""
     if config.distributed.recovery != "live" or not env.under_torchrun or env.world_size == 1:
@@ -74,7 +79,8 @@ def _live_world(config: JobConfig, env: WorkerEnv) -> LiveWorld | None:
     d = config.distributed
 
     def form(generation: int) -> Group:
-        return init_group(env, d.backend, d.timeout_seconds, generation=generation)
+        return init_group(env, d.backend, d.timeout_seconds, generation=generation,
+                          connect_seconds=JOIN_CONNECT_SECONDS)
 
     return LiveWorld(env, env.live_generation, d.timeout_seconds, form)
 

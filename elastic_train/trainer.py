@@ -16,7 +16,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -29,14 +29,14 @@ from elastic_train.checkpoint.manager import Restored
 from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
-from elastic_train.errors import ConfigError
+from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.event_schema import BatchPlan as BatchPlanEvent
 from elastic_train.event_schema import Hang, Startup, Step
 from elastic_train.events import EventLog, EventObserver, read_events
 from elastic_train.live_recovery import LiveWorld
 from elastic_train.progress import Progress
 from elastic_train.rundir import RunDir
-from elastic_train.runtime import GO_ON, Vote, WorkerRuntime
+from elastic_train.runtime import GO_ON, Rejoined, Vote, WorkerRuntime
 from elastic_train.sampler import ResumableSampler
 from elastic_train.seeding import derive_seed
 from elastic_train.summary import RunSummary, summarize
@@ -224,8 +224,9 @@ class Trainer:
         restored = None
         if self.runtime.live is not None and self.env.live_generation:
             # Started again into a running world: the state comes from a survivor.
-            self.runtime.arrive(self._stateful(), self._marks.get("process_start"),
-                                self._marks.get("group_ready"))
+            self._rejoin(lambda: self.runtime.arrive(
+                self._stateful(), self._marks.get("process_start"),
+                self._marks.get("group_ready")), has_state=False)
         else:
             self.runtime.start(total_steps=cfg.steps, threads=torch.get_num_threads(),
                                config=self.config.to_dict())
@@ -313,12 +314,31 @@ class Trainer:
             self.sampler.load_state_dict(self._in_flight)
             self._in_flight = None
         self.optimizer.zero_grad(set_to_none=True)
-        rejoined = self.runtime.rejoin(self._stateful(), step=self.state.step,
-                                       attempted=attempted, failed_at=failed_at)
+        rejoined = self._rejoin(lambda: self.runtime.rejoin(
+            self._stateful(), step=self.state.step, attempted=attempted, failed_at=failed_at))
         self.group = rejoined.group
         ddp = self._wrap_model(in_sync=True)
         self.watchdog = self._make_watchdog().start()
         return ddp
+
+    def _rejoin(self, first: Callable[[], Rejoined], has_state: bool = True) -> Rejoined:
+        """Re-form the world (``first``), again as often as a member is lost meanwhile (a
+        newer generation announced while the group forms or the state is sent)."""
+        live = self.runtime.live
+        assert live is not None
+        attempt = first
+        while True:
+            try:
+                return attempt()
+            except LiveRecoveryError:
+                raise
+            except Exception:
+                if live.announced() is None:
+                    raise
+            step = self.state.step if has_state else None
+
+            def attempt(step: int | None = step) -> Rejoined:
+                return self.runtime.rejoin(self._stateful(), step=step)
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
         timeout = self.config.distributed.step_timeout_seconds

@@ -158,12 +158,14 @@ def test_when_no_worker_survives_the_job_restarts_from_its_checkpoint(
         job.wait_for_event(_step(12), TIMEOUT)
         for pid in job.worker_pids().values():
             os.kill(pid, signal.SIGKILL)
+        reached = max(e["step"] for e in job.events() if e["event"] == "step")
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
     events = job.events()
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
-    assert loaded and loaded[0]["step"] == 10, job.report()
+    # The newest checkpoint (every 5 steps) before the kill: 10, or 15 on a slow machine.
+    assert loaded and 10 <= loaded[0]["step"] <= reached, job.report()
     assert [e["kind"] for e in events if e["event"] == "recovery"][-1] == "restart"
     assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
 
