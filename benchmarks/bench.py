@@ -301,56 +301,23 @@ def steady_state(tmp: Path, presets: list[Preset], reps: int,
               f"ours / floor = {stall / floor_all:.2f} |")
 
 
-def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int) -> dict[str, float]:
-    """Our live recovery: kill -> the next completed step, with no worker group restart."""
-    launched = time.time()
-    job = _run_ours(run_dir, p, p.every, recovery="live")
-    try:
-        deadline = time.monotonic() + 600
-        while not any(e["event"] == "step" and e["step"] >= kill_at for e in _our_log(run_dir)):
-            if time.monotonic() > deadline or job.proc.poll() is not None:
-                raise SystemExit(f"run never reached step {kill_at}:\n{job.report()}")
-            time.sleep(0.01)
-        events = _our_log(run_dir)
-        first_step = min(e["time"] for e in events if e["event"] == "step")
-        killed_at = time.time()
-        job.kill_worker(1)
-        steps_done = max(e["step"] for e in _our_log(run_dir) if e["event"] == "step")
-        deadline = time.monotonic() + 300
-        while True:
-            events = _our_log(run_dir)
-            live = [e for e in events if e["event"] == "recovery" and e["kind"] == "live"]
-            after = [e for e in events if e["event"] == "step" and live
-                     and e["time"] > live[0]["time"]]
-            if after:
-                break
-            if time.monotonic() > deadline or job.proc.poll() is not None:
-                return {"failed": 1.0}
-            time.sleep(0.01)
-    finally:
-        job.stop()
-    recovered, step = live[0], after[0]
-    detected = recovered.get("detected_at", killed_at)
-    return {
-        "job start": first_step - launched,
-        "total": step["time"] - killed_at,
-        "detected": detected - killed_at,
-        "new worker + group": recovered.get("joined_at", detected) - detected,
-        "state sent": recovered.get("state_at", recovered["time"]) - recovered.get(
-            "joined_at", detected),
-        "first step": step["time"] - recovered["time"],
-        "lost steps": float(steps_done - (step["step"] - 1)),
-        "bytes sent": float(recovered["bytes"]),
-        "restarts used": 0.0,
-        "failed": 0.0,
-    }
+@dataclasses.dataclass
+class _Killed:
+    """One run struck at ``kill_at``: when it started, stepped, was struck, and what followed."""
+
+    launched: float
+    first_step: float
+    killed_at: float
+    steps_done: int
+    recovered: list[dict[str, Any]] | None  # None: the run never recovered
 
 
-def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[str, float]:
-    launched = time.time()
-    job = _run_ours(run_dir, p, p.every, recovery="restart") if ours \
-        else _run_baseline(run_dir, p, p.every)
-    read = (lambda: _our_log(run_dir)) if ours else (lambda: _baseline_log(run_dir))
+def _kill_and_wait(job: harness.Job, read: Callable[[], list[dict[str, Any]]], kill_at: int,
+                   launched: float,
+                   recovered: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+                   ) -> _Killed:
+    """SIGKILL rank 1 once step ``kill_at`` is logged; wait until ``recovered(events)`` finds
+    the records that mark the recovery (bounded; the job is stopped either way)."""
     try:
         deadline = time.monotonic() + 600
         while not any(e["event"] == "step" and e["step"] >= kill_at for e in read()):
@@ -363,27 +330,70 @@ def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[s
         steps_done = max(e["step"] for e in read() if e["event"] == "step")
         deadline = time.monotonic() + 300
         while True:
-            marks = [e for e in read() if e["event"] == "startup" and e.get("restart", 0) >= 1]
-            if marks:
-                break
+            found = recovered(read())
+            if found:
+                return _Killed(launched, first_step, killed_at, steps_done, found)
             if time.monotonic() > deadline or job.proc.poll() is not None:
                 # Stock torchrun can spend all its restarts (FIELD-NOTES): a failed recovery.
-                return {"failed": 1.0}
+                return _Killed(launched, first_step, killed_at, steps_done, None)
             time.sleep(0.01)
     finally:
         job.stop()
-    m = marks[0]
+
+
+def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int) -> dict[str, float]:
+    """Our live recovery: kill -> the next completed step, with no worker group restart."""
+    def recovered(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        live = [e for e in events if e["event"] == "recovery" and e["kind"] == "live"]
+        after = [e for e in events if e["event"] == "step" and live
+                 and e["time"] > live[0]["time"]]
+        return [live[0], after[0]] if after else []
+
+    launched = time.time()
+    job = _run_ours(run_dir, p, p.every, recovery="live")
+    k = _kill_and_wait(job, lambda: _our_log(run_dir), kill_at, launched, recovered)
+    if k.recovered is None:
+        return {"failed": 1.0}
+    recovery, step = k.recovered
+    detected = recovery.get("detected_at", k.killed_at)
+    return {
+        "job start": k.first_step - k.launched,
+        "total": step["time"] - k.killed_at,
+        "detected": detected - k.killed_at,
+        "new worker + group": recovery.get("joined_at", detected) - detected,
+        "state sent": recovery.get("state_at", recovery["time"]) - recovery.get(
+            "joined_at", detected),
+        "first step": step["time"] - recovery["time"],
+        "lost steps": float(k.steps_done - (step["step"] - 1)),
+        "bytes sent": float(recovery["bytes"]),
+        "restarts used": 0.0,
+        "failed": 0.0,
+    }
+
+
+def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[str, float]:
+    """The restart path (ours with --recovery restart, or the baseline): kill -> the first
+    step of the restarted workers, by start-up stage."""
+    launched = time.time()
+    job = _run_ours(run_dir, p, p.every, recovery="restart") if ours \
+        else _run_baseline(run_dir, p, p.every)
+    read = (lambda: _our_log(run_dir)) if ours else (lambda: _baseline_log(run_dir))
+    k = _kill_and_wait(job, read, kill_at, launched, lambda events: [
+        e for e in events if e["event"] == "startup" and e.get("restart", 0) >= 1])
+    if k.recovered is None:
+        return {"failed": 1.0}
+    m = k.recovered[0]
     start = m["process_start"] or m["imported"]
     return {
-        "job start": first_step - launched,
-        "total": m["first_step_done"] - killed_at,
-        "agent": start - killed_at,
+        "job start": k.first_step - k.launched,
+        "total": m["first_step_done"] - k.killed_at,
+        "agent": start - k.killed_at,
         "imports": m["imported"] - start,
         "group": m["group_ready"] - m["imported"],
         "build+restore": m["restored"] - m["group_ready"],
         "ddp": m["ddp_ready"] - m["restored"],
         "first step": m["first_step_done"] - m["ddp_ready"],
-        "lost steps": float(steps_done - m["resumed_step"]),
+        "lost steps": float(k.steps_done - m["resumed_step"]),
         "restarts used": float(m["restart"]),
         "failed": 0.0,
     }

@@ -11,6 +11,7 @@ batch and the learning rate become; every step event records both.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -335,10 +336,8 @@ class Trainer:
             except Exception:
                 if live.announced() is None:
                     raise
-            step = self.state.step if has_state else None
-
-            def attempt(step: int | None = step) -> Rejoined:
-                return self.runtime.rejoin(self._stateful(), step=step)
+            attempt = functools.partial(self.runtime.rejoin, self._stateful(),
+                                        step=self.state.step if has_state else None)
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
         timeout = self.config.distributed.step_timeout_seconds
