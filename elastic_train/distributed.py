@@ -144,10 +144,6 @@ def abandon_group() -> None:
     no destructor joins them (train.py ends such a process with ``os._exit``).
     """
     if not dist.is_initialized():
-        # A group whose forming failed (a member lost meanwhile) still counted itself: the
-        # next one would take its store keys under another index than the members that
-        # start afresh, and never meet them.
-        dist.distributed_c10d._world.group_count = 0
         return
     group = dist.group.WORLD
     with contextlib.suppress(Exception):
@@ -176,6 +172,11 @@ def store_prefix(run_id: str, restart_count: int, generation: int = 0) -> str:
     """
     prefix = f"elastic_train/{run_id}/restart-{restart_count}"
     return f"{prefix}/live-{generation}" if generation else prefix
+
+
+def _store_address(env: WorkerEnv) -> str:
+    """HOST:PORT of the store this worker's group forms on (for messages)."""
+    return env.live_store or f"{env.master_addr}:{env.master_port}"
 
 
 def live_store(env: WorkerEnv, timeout: timedelta) -> dist.Store:
@@ -251,10 +252,13 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
         if connect != timeout:
             dist.group.WORLD.set_timeout(timeout)
     except (RuntimeError, ValueError) as exc:
+        # The failed group still counted itself: the next one would take its store keys
+        # under another index than a worker starting afresh, and never meet it.
+        dist.distributed_c10d._world.group_count = 0
         raise DistributedError(
-            f"rank {env.rank} could not join the process group at {env.master_addr}:"
-            f"{env.master_port} ({str(exc).splitlines()[0]}): check that every worker reaches "
-            "that address, or raise --collective-timeout") from exc
+            f"rank {env.rank} could not join the process group at {_store_address(env)} "
+            f"({str(exc).splitlines()[0]}): check that every worker reaches that address, or "
+            "raise --collective-timeout") from exc
     return Group(env.rank, env.world_size, chosen, device)
 
 

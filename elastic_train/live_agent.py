@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
 from elastic_train.distributed import store_prefix
@@ -108,19 +108,16 @@ class PerWorkerProcesses:
 def _worker_logs_specs(specs: LogsSpecs, local_rank: int) -> LogsSpecs:
     """Log destinations of one worker's own context: a folder per worker and start under
     the job's log folder (each context would otherwise write ``attempt_N/0``)."""
-    root = getattr(specs, "root_log_dir", None) or None
-    log_dir = os.path.join(root, f"local_rank_{local_rank}") if root and root != os.devnull \
-        else None
-    redirects = getattr(specs, "_redirects", None)
-    tee = getattr(specs, "_tee", None)
-    kwargs: dict[str, Any] = {}
-    if redirects is not None:
-        kwargs["redirects"] = redirects.get(local_rank) if isinstance(redirects, dict) \
-            else redirects
-    if tee is not None:
-        kwargs["tee"] = tee.get(local_rank) if isinstance(tee, dict) else tee
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    return DefaultLogsSpecs(log_dir=log_dir, **kwargs)
+    root = getattr(specs, "root_log_dir", None)
+    log_dir = os.path.join(root, f"local_rank_{local_rank}") \
+        if root and root != os.devnull else None
+
+    def of_this_worker(value: Any) -> Any:  # one Std for all workers, or one per local rank
+        return value.get(local_rank, Std.NONE) if isinstance(value, dict) else value
+
+    return DefaultLogsSpecs(log_dir=log_dir,
+                            redirects=of_this_worker(getattr(specs, "_redirects", Std.NONE)),
+                            tee=of_this_worker(getattr(specs, "_tee", Std.NONE)))
 
 
 class LiveRecoveryAgent(LocalElasticAgent):
