@@ -53,6 +53,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     record_samples: bool = False
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--record-samples", "train", "record_samples",
            "write the sample ids of every step to RUN_DIR/samples/ (for audits)", _bool,
            "BOOL"),
+    Option("--deterministic", "train", "deterministic",
+           "deterministic CUDA kernels (torch.use_deterministic_algorithms, "
+           "CUBLAS_WORKSPACE_CONFIG): bitwise resume on a GPU, a little slower; the CPU "
+           "is deterministic already", _bool, "BOOL"),
     Option("--checkpoint-every", "checkpoint", "every_steps",
            "checkpoint every N steps ('off' to only use --checkpoint-interval)",
            _optional_positive_int, "N"),

@@ -103,6 +103,34 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
     return [*argv, "-m", WORKER_MODULE, *job_args]
 
 
+_DROPPED_ON_OLDER_TORCH = {
+    "--shutdown-timeout": "the agent waits torch's default, 30 s, before it SIGKILLs a worker",
+}
+"""Options of ours that an older torch's torchrun lacks (``--shutdown-timeout``: 2.13), and
+what a job gets without them."""
+
+
+def options_torchrun_knows(cmd: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``cmd`` without the options of ours that this torch's torchrun lacks, each said once
+    with what the job gets instead."""
+    known = {flag for action in parser._actions for flag in action.option_strings}
+    kept = []
+    for arg in cmd:
+        flag = arg.split("=", 1)[0]
+        if flag in _DROPPED_ON_OLDER_TORCH and flag not in known:
+            print(f"elastic-train: torch {_torch_version()}'s torchrun has no {flag}: "
+                  f"{_DROPPED_ON_OLDER_TORCH[flag]}", file=sys.stderr)
+            continue
+        kept.append(arg)
+    return kept
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
     """Fail fast on what every worker would fail on: run dir, task, incompatible checkpoint,
     metrics ports in use."""
@@ -221,7 +249,8 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
         return exc.exit_code
     timing.install()
     try:
-        _launch(torchrun.parse_args(cmd), job_args, ns.worker_start,
+        _launch(torchrun.parse_args(options_torchrun_knows(cmd, torchrun.get_args_parser())),
+                job_args, ns.worker_start,
                 config.distributed.recovery)
     except SignalException as exc:
         # The agent passed the signal to the workers, which checkpointed and exited 0.

@@ -41,6 +41,7 @@ from elastic_train.batching import global_batch
 from elastic_train.checkpoint.export import check_weights_file, write_weights
 from elastic_train.checkpoint.manager import CheckpointManager, Stateful
 from elastic_train.config import SAVE_FAILURE_POLICIES, CheckpointConfig
+from elastic_train.determinism import make_deterministic
 from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import ConfigError
 from elastic_train.event_schema import Step
@@ -69,11 +70,13 @@ class ElasticSession:
                  checkpoint_interval: float | None = None, keep_checkpoints: int = 3,
                  seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
                  preemption_budget: float | None = 25.0, on_save_failure: str = "continue",
-                 env: WorkerEnv | None = None) -> None:
+                 deterministic: bool = False, env: WorkerEnv | None = None) -> None:
         """``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit (keep
         it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python.
         ``on_save_failure``: ``continue`` (train on, keep the last good checkpoint, warn)
-        or ``stop`` (every rank stops at the same step; see the module docstring)."""
+        or ``stop`` (every rank stops at the same step; see the module docstring).
+        ``deterministic``: deterministic CUDA kernels (determinism.py), for a bitwise
+        resume on a GPU."""
         if checkpoint_every is not None and checkpoint_every <= 0:
             raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
                               "positive number of steps, or None")
@@ -83,6 +86,8 @@ class ElasticSession:
         if on_save_failure not in SAVE_FAILURE_POLICIES:
             raise ConfigError(f"on_save_failure {on_save_failure!r} is invalid: use one of "
                               f"{', '.join(SAVE_FAILURE_POLICIES)}")
+        if deterministic:
+            make_deterministic()
         self.env = env or read_worker_env()
         self.run_dir = Path(run_dir)
         self.seed = seed

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train.config import JobConfig, parse_job_args
+from elastic_train.determinism import make_deterministic
 from elastic_train.distributed import Group, abandoned_groups, destroy_group, init_group
 from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
@@ -99,6 +100,8 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
     linger = 0.0
     try:
         config = parse_job_args(sys.argv[1:] if argv is None else argv)
+        if config.train.deterministic:
+            make_deterministic()
         if env.rank == 0:
             prepare_run_dir(config.run_dir)
         endpoint = serve_worker_metrics(config, env)

@@ -71,6 +71,7 @@ VALID: dict[str, tuple[str, Any]] = {
     "--seed": ("1234", 1234),
     "--log-every": ("5", 5),
     "--record-samples": ("yes", True),
+    "--deterministic": ("true", True),
     "--checkpoint-every": ("25", 25),
     "--checkpoint-interval": ("90.5", 90.5),
     "--keep-checkpoints": ("7", 7),

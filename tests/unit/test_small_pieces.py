@@ -606,3 +606,23 @@ def test_prepare_run_dir_under_a_regular_file(tmp_path: Path) -> None:
         f"run directory {run_dir} is not writable (Not a directory): choose another "
         "--run-dir or fix its permissions")
     assert blocker.read_text() == "not a directory"
+
+
+def test_an_option_an_older_torchrun_lacks_is_dropped_and_said(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from elastic_train.launch import options_torchrun_knows
+
+    old = argparse.ArgumentParser()  # torch 2.11's torchrun: no --shutdown-timeout
+    old.add_argument("--nnodes")
+    cmd = ["--nnodes=1", "--shutdown-timeout=40", "-m", "elastic_train.train", "--steps", "5"]
+    assert options_torchrun_knows(cmd, old) == [
+        "--nnodes=1", "-m", "elastic_train.train", "--steps", "5"]
+    assert "torchrun has no --shutdown-timeout: the agent waits torch's default, 30 s" in \
+        capsys.readouterr().err
+    new = argparse.ArgumentParser()
+    new.add_argument("--nnodes")
+    new.add_argument("--shutdown-timeout")
+    assert options_torchrun_knows(cmd, new) == cmd
+    assert capsys.readouterr().err == ""

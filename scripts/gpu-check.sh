@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU proofs and figures, on a machine with CUDA and a CUDA build of torch already
+# installed (the `device` machine's python3, or any GPU node). Installs nothing: the
+# package runs from this checkout (PYTHONPATH); its pure-Python needs (prometheus-client,
+# safetensors, numpy, pytest, pytest-timeout) are expected there, and a folder .whl/ of
+# wheels, when present, is unpacked to /tmp/site first (etcd3gw is needed only for etcd).
+#
+#   bash scripts/gpu-check.sh env      # what the machine has (seconds)
+#   bash scripts/gpu-check.sh tests    # tests/gpu (a few minutes)
+#   bash scripts/gpu-check.sh bench    # benchmarks/gpu.py: 1B and small GPT (minutes)
+#   bash scripts/gpu-check.sh all      # the three
+#
+# Logs go to $OUT (the device tool's folder) or ./gpu-results.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+env_report() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    "$PY" - <<'PY'
+import torch, torch.distributed as dist
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available "
+      f"{torch.cuda.is_available()}, devices {torch.cuda.device_count()}, "
+      f"nccl {dist.is_nccl_available()} {torch.cuda.nccl.version() if dist.is_nccl_available() else ''}")
+import elastic_train, elastic_train.launch, elastic_train.live_agent, prometheus_client, safetensors
+print("elastic_train imports: ok")
+PY
+}
+tests() {
+    set -o pipefail
+    "$PY" -m pytest tests/gpu -m gpu -v -s -p no:cacheprovider --timeout 420 2>&1 | tee "$OUT/gpu-tests.log"
+}
+bench() {
+    set -o pipefail
+    "$PY" benchmarks/gpu.py "$@" 2>&1 | tee "$OUT/gpu-bench.log"
+}
+what=${1:-all}
+shift || true
+case "$what" in
+    env) env_report 2>&1 | tee "$OUT/gpu-env.log" ;;
+    tests) tests ;;
+    bench) bench "$@" ;;
+    all) env_report 2>&1 | tee "$OUT/gpu-env.log"; tests; bench "$@" ;;
+    *) echo "usage: $0 env|tests|bench|all [benchmark options]" >&2; exit 2 ;;
+esac
