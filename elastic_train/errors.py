@@ -40,6 +40,29 @@ class CheckpointWriteError(CheckpointError):
                          "space or fix permissions; the previous checkpoints are intact")
 
 
+class CheckpointFencedError(CheckpointError):
+    """A checkpoint was not committed: a newer world owns this run's checkpoints
+    (checkpoint/fence.py); this world is stale and stops without writing."""
+
+    reported_by_rank0 = True
+
+    def __init__(self, step: int, epoch: int, newer_epoch: int, newer: str) -> None:
+        self.step = step
+        self.epoch = epoch
+        self.newer_epoch = newer_epoch
+        super().__init__(
+            f"checkpoint {step} was not committed: a newer world owns this run's checkpoints "
+            f"({newer}) and this world (writer epoch {epoch}) is no longer part of the job "
+            "(cut off by a partition, or its agents already moved on): it stops without "
+            "writing, and its agent rejoins the job's rendezvous")
+
+
+class StaleWorldError(CheckpointError):
+    """Every rank of a world whose checkpoint was fenced stops with rank 0's line."""
+
+    reported_by_rank0 = True
+
+
 class CheckpointStopError(CheckpointError):
     """The job stopped: a checkpoint could not be written and ``--on-save-failure stop``.
 

@@ -40,6 +40,7 @@ class Event(StrEnum):
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_WAITED = "checkpoint_waited"
     CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_FENCED = "checkpoint_fenced"
     CHECKPOINT_DELETED = "checkpoint_deleted"
 
 
@@ -299,6 +300,17 @@ class CheckpointWaited(EventRecord):
     event: ClassVar[Event] = Event.CHECKPOINT_WAITED
     seconds: float
     step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointFenced(EventRecord):
+    """A checkpoint was not committed: writer epoch ``newer_epoch`` (a newer world) owns
+    the run's checkpoints; this world (``epoch``) stops."""
+
+    event: ClassVar[Event] = Event.CHECKPOINT_FENCED
+    step: int
+    epoch: int
+    newer_epoch: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@
       checkpoints/step-<N>/   checkpoint/storage.py's format (state, manifest, checksum)
       events.jsonl            the event log (events.py; its schema: event_schema.py)
       samples/rank-<R>.jsonl  which samples each rank trained on (--record-samples)
+      writers/epoch-<E>       the worlds that wrote checkpoints here (checkpoint/fence.py)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from elastic_train.errors import ConfigError
 EVENTS_FILE = "events.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 SAMPLES_DIR = "samples"
+WRITERS_DIR = "writers"
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class RunDir:
     def samples(self) -> Path:
         """The per-rank sample records' directory."""
         return self.root / SAMPLES_DIR
+
+    @property
+    def writers(self) -> Path:
+        """The writer epochs: which world may commit checkpoints (checkpoint/fence.py)."""
+        return self.root / WRITERS_DIR
 
     def samples_of(self, rank: int) -> Path:
         """The sample record of one rank."""

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from elastic_train import distributed
+from elastic_train.checkpoint.fence import WriterFence
 from elastic_train.checkpoint.manager import CheckpointManager, Restored, Stateful
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
@@ -109,7 +110,8 @@ class WorkerRuntime:
         self.events = EventLog(run_dir.events, enabled=group.rank == 0, observers=observers)
         self.checkpoints = CheckpointManager(CheckpointStore(run_dir.checkpoints), group,
                                              policy, self.events,
-                                             dict(meta or {"run_id": env.run_id}))
+                                             dict(meta or {"run_id": env.run_id}),
+                                             fence=WriterFence(run_dir.writers))
         self.save_failure = SaveFailureStop(self.checkpoints, group, self.events,
                                             env.restart_count, save_failure_option)
         self.preemption = StopRequest(preemption_budget) \
@@ -257,11 +259,16 @@ class WorkerRuntime:
         """Every member: the lowest rank holding the newest step sends its state to every
         member behind it (one all-reduce of the steps, one broadcast of the state)."""
         world, rank = self.group.world_size, self.group.rank
-        tally = torch.zeros(2 * world, dtype=torch.float64, device=self.group.device)
+        # [steps held, steps attempted, writer epochs], each +1 so that 0 means none
+        tally = torch.zeros(3 * world, dtype=torch.float64, device=self.group.device)
         tally[rank] = 0 if step is None else step + 1
         tally[world + rank] = 0 if attempted is None else attempted + 1
+        epoch = self.checkpoints.epoch
+        tally[2 * world + rank] = 0 if epoch is None else epoch + 1
         values = [int(v) - 1 for v in distributed.sum_over_ranks(self.group, tally)]
-        held, tried = values[:world], values[world:]
+        held, tried = values[:world], values[world:2 * world]
+        if max(values[2 * world:]) >= 0:  # the world keeps its epoch: a new member learns it
+            self.checkpoints.epoch = max(values[2 * world:])
         newest = max(held)
         if newest < 0:
             raise LiveRecoveryError("no worker of the re-formed world holds the training "

@@ -21,7 +21,7 @@ from typing import Any
 from elastic_train import distributed
 from elastic_train.checkpoint.manager import CheckpointManager
 from elastic_train.distributed import Group
-from elastic_train.errors import CheckpointStopError
+from elastic_train.errors import CheckpointStopError, StaleWorldError
 from elastic_train.event_schema import Stopped
 from elastic_train.events import EventLog, Incarnation
 
@@ -50,8 +50,10 @@ class SaveFailureStop:
         self.option = option
 
     def vote(self) -> bool:
-        """This rank's vote to stop now (only rank 0 writes checkpoints)."""
-        return self.enabled and self.checkpoints.failed is not None
+        """This rank's vote to stop now (only rank 0 writes checkpoints): a failed write
+        under the stop policy, or a fenced one under any policy (fence.py)."""
+        return (self.enabled and self.checkpoints.failed is not None) \
+            or self.checkpoints.fenced is not None
 
     def agreed_after_loop(self) -> bool:
         """After the last step: whether rank 0's last periodic write failed (then no final
@@ -67,13 +69,18 @@ class SaveFailureStop:
         message = None
         if self.group.rank == 0:
             self.checkpoints.finish()
-            failure = self.checkpoints.failed
-            assert failure is not None
-            last_good = self.checkpoints.last_saved_step
-            message = stop_message(step, failure.step, failure.root, failure.reason, last_good,
-                                   self.option)
-            self._record(step, failure.step, failure.reason, last_good)
-        raise CheckpointStopError(distributed.broadcast_json(self.group, message))
+            fenced = self.checkpoints.fenced
+            if fenced is not None:  # a stale world: its agent rejoins, no 'stopped' record
+                message = ["fenced", f"stopped at step {step}: {fenced}"]
+            else:
+                failure = self.checkpoints.failed
+                assert failure is not None
+                last_good = self.checkpoints.last_saved_step
+                message = ["failed", stop_message(step, failure.step, failure.root,
+                                                  failure.reason, last_good, self.option)]
+                self._record(step, failure.step, failure.reason, last_good)
+        kind, line = distributed.broadcast_json(self.group, message)
+        raise (StaleWorldError if kind == "fenced" else CheckpointStopError)(line)
 
     def refuse_restart(self, previous: Incarnation | None, root: Path) -> None:
         """Every rank, at start: fail at once if the agent restarted us after such a stop."""

@@ -179,13 +179,6 @@ class MemoryKV:
                 for key, value in chunk:
                     self._put(key, value, lease, revision)
 
-    def create(self, key: str, value: bytes, lease: int = 0) -> tuple[bool, int]:
-        with self._lock:
-            self.requests += 1
-            if key in self._data:
-                return False, self._revision
-            return True, self._put(key, value, lease).mod_revision
-
     def put_and_claim(self, key: str, value: bytes, claim: str, claim_value: bytes,
                       prefix: str, lease: int = 0) -> tuple[bool, list[KeyValue], int]:
         with self._lock:

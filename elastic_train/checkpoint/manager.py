@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from elastic_train import distributed
+from elastic_train.checkpoint.fence import WriterFence, superseded
 from elastic_train.checkpoint.persister import BackgroundPersister
 from elastic_train.checkpoint.snapshot import (
     PendingCopies,
@@ -46,6 +47,7 @@ from elastic_train.config import CheckpointConfig
 from elastic_train.distributed import Group
 from elastic_train.errors import (
     CheckpointError,
+    CheckpointFencedError,
     CheckpointMismatchError,
     CheckpointWriteError,
     ElasticTrainError,
@@ -53,6 +55,7 @@ from elastic_train.errors import (
 from elastic_train.event_schema import (
     CheckpointDeleted,
     CheckpointFailed,
+    CheckpointFenced,
     CheckpointLeftoverRemoved,
     CheckpointLoaded,
     CheckpointSaved,
@@ -83,8 +86,14 @@ class CheckpointManager:
     """Checkpoints of one run, used identically by every rank."""
 
     def __init__(self, store: CheckpointStore, group: Group, policy: CheckpointConfig,
-                 events: EventLog, meta: Mapping[str, Any] | None = None) -> None:
+                 events: EventLog, meta: Mapping[str, Any] | None = None,
+                 fence: WriterFence | None = None) -> None:
         self.store = store
+        self.fence = fence
+        self.epoch: int | None = None
+        """This world's writer epoch (fence.py), claimed by rank 0 at the restore."""
+        self.fenced: CheckpointFencedError | None = None
+        """Set when a newer world owns the checkpoints: this world must stop."""
         self.group = group
         self.policy = policy
         self.events = events
@@ -113,7 +122,16 @@ class CheckpointManager:
             self.events.emit(CheckpointLeftoverRemoved(path=str(path)))
         infos = self.store.list()
         skipped: list[CheckpointInfo] = []
+        claims = self.fence.claims() if self.fence is not None else []
         for info in infos:
+            written_by = (info.manifest or {}).get("writer_epoch")
+            if superseded(written_by, info.step, claims):
+                problem = (f"superseded: written by writer epoch {written_by} after a newer "
+                           "world had resumed from an earlier step (fence.py)")
+                log.warning("skipping checkpoint %s: %s", info.path, problem)
+                self.events.emit(CheckpointSkipped(step=info.step, path=str(info.path),
+                                                   problem=problem))
+                continue
             verdict = self.store.verify(info)
             if not verdict.valid:
                 log.warning("skipping corrupt checkpoint %s: %s", info.path, verdict.problem)
@@ -145,7 +163,11 @@ class CheckpointManager:
         decision: dict[str, Any] | None = None
         if self.group.rank == 0:
             decision = self._choose(tensor_shapes(model.state_dict()))
+            if self.fence is not None and "error" not in decision:
+                decision["epoch"] = self.fence.claim(decision["step"],
+                                                     str(self.meta.get("run_id")))
         decision = distributed.broadcast_json(self.group, decision)
+        self.epoch = decision.get("epoch")
         if "error" in decision:
             kind = CheckpointMismatchError if decision.get("mismatch") else CheckpointError
             raise kind(decision["error"])
@@ -300,8 +322,8 @@ class CheckpointManager:
                             waited, result.step if result else "?")
             self.events.emit(CheckpointWaited(seconds=round(waited, 6),
                                               step=result.step if result else None))
-        if result is not None and result.error is not None and \
-                not isinstance(result.error, CheckpointWriteError):  # those were reported
+        if result is not None and result.error is not None and not isinstance(
+                result.error, CheckpointWriteError | CheckpointFencedError):  # reported
             self.failures += 1
             log.error("checkpoint %d was not written: %s", result.step, result.error)
         return waited
@@ -317,17 +339,29 @@ class CheckpointManager:
                         "checkpoint less often (checkpoint_every, --checkpoint-every) or to a "
                         "faster disk", self.waits, self.waited_seconds)
 
+    def _check_fence(self, step: int) -> None:
+        if self.fence is not None and self.epoch is not None:
+            self.fence.check(self.epoch, step)
+
     def persist(self, step: int, snapshot: Mapping[str, Any]) -> CheckpointInfo:
         """Write a snapshot atomically, then apply retention (raises CheckpointWriteError)."""
         model_state = snapshot["model"]
         meta = {
             **self.meta,
+            "writer_epoch": self.epoch,
             "world_size": self.group.world_size,
             "model_digest": model_digest(model_state),
             "model_shapes": tensor_shapes(model_state),
         }
         try:
-            info = self.store.write(step, snapshot, meta)
+            info = self.store.write(step, snapshot, meta,
+                                    before_commit=lambda: self._check_fence(step))
+        except CheckpointFencedError as exc:
+            self.fenced = exc
+            log.error("%s", exc)
+            self.events.emit(CheckpointFenced(step=step, epoch=exc.epoch,
+                                              newer_epoch=exc.newer_epoch))
+            raise
         except OSError as exc:
             self.events.emit(CheckpointFailed(step=step, error=str(exc),
                                               policy=self.policy.on_save_failure))

@@ -26,7 +26,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -175,11 +175,14 @@ class CheckpointStore:
 
     # ---- writing -------------------------------------------------------------------------
     def write(self, step: int, payload: Mapping[str, Any], meta: Mapping[str, Any],
-              *, fault_hook: Any = None) -> CheckpointInfo:
+              *, fault_hook: Any = None,
+              before_commit: Callable[[], None] | None = None) -> CheckpointInfo:
         """Atomically write ``payload`` as checkpoint ``step``; return its info.
 
         ``meta`` goes into the manifest (world size, model digest and shapes, task, ...).
         ``fault_hook(stage)`` is called between the stages of the save (tests crash there).
+        ``before_commit()`` runs just before the rename; what it raises abandons the save
+        (the writer fence, fence.py).
         """
         hook = fault_hook or (lambda stage: None)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -215,6 +218,8 @@ class CheckpointStore:
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
             hook("manifest-synced")
+            if before_commit is not None:
+                before_commit()
             if final.exists():
                 self._set_aside(final)
             os.rename(tmp, final)

@@ -130,21 +130,6 @@ def test_range_prefix_is_sorted_with_both_revisions_and_a_watch_point(
     assert deleted.mod_revision > put.mod_revision + 1  # the sibling's write in between
 
 
-def test_create_succeeds_once(kv: KV, prefix: str) -> None:
-    key = prefix + "node"
-    created, revision = kv.create(key, b"first")
-    assert created
-    found = kv.get(key)
-    assert found is not None
-    assert found.mod_revision == found.create_revision == revision
-    again, now = kv.create(key, b"second")
-    assert (again, now) == (False, revision)  # nothing written: the revision stays
-    assert kv.get(key) == found
-    assert kv.delete(key)
-    assert kv.create(key, b"third")[0]
-    assert kv.get(key).value == b"third"
-
-
 def test_put_many_if_absent_puts_all_or_nothing(kv: KV, prefix: str) -> None:
     guard = prefix + "round/1/closed"
     items = [(guard, b""), (prefix + "round/1/x", b"1"), (prefix + "round/1/y", b"2")]
@@ -406,8 +391,8 @@ def test_a_watch_through_tls_and_authentication(secure_etcd: SecureEtcd, prefix:
 
     kv = client("s3cret")
     lease = kv.grant_lease(30)
-    created, revision = kv.create(prefix + "node", b"me", lease)
-    assert created
+    kv.put(prefix + "node", b"me", lease)
+    revision = kv.get(prefix + "node").mod_revision
     # An expired token is replaced before the stream opens (etcd checks it only there).
     kv._client.session.headers["Authorization"] = "expired.token"
     watch = kv.watch_prefix(prefix, revision)
@@ -432,7 +417,7 @@ def test_a_watch_through_tls_and_authentication(secure_etcd: SecureEtcd, prefix:
 def test_memory_kv_counts_the_new_requests(prefix: str) -> None:
     kv = MemoryKV()
     lease = kv.grant_lease(5)
-    kv.create(prefix + "a", b"", lease)
+    kv.put(prefix + "a", b"", lease)
     kv.put_many_if_absent(prefix + "g", [(prefix + "g", b"")])
     kv.range_prefix(prefix)
     kv.keep_alive(lease)

@@ -1,0 +1,133 @@
+"""Which world may commit a run's checkpoints: writer epochs claimed in the run directory.
+
+Every time a world forms over a run directory (a fresh start, a restart after a failure or
+a resize, a new launch), its rank 0 claims the next *writer epoch* right after choosing the
+checkpoint to resume from: it creates ``<run_dir>/writers/epoch-<E>`` with ``O_EXCL``, so
+no two worlds ever hold the same epoch, and records there the step it resumed from. Every
+checkpoint's manifest names the epoch that wrote it.
+
+Before a checkpoint is committed (renamed into place), its writer checks that no newer
+epoch exists. A world that finds one is stale: the job's rendezvous formed a newer world
+without it (a partitioned minority, or a world whose agents already moved on), and that
+world now owns the checkpoints. The stale world then stops without committing, so it never
+replaces a checkpoint of the newer one. The check and the rename are two steps on a plain
+file system; a checkpoint committed between them is recognised on every later restore:
+an older epoch's checkpoint past the step a newer epoch resumed from is *superseded* (it
+was written after the newer world had forked from that step) and is never chosen.
+
+This is the rendezvous round used as a fencing token, kept where the protected resource
+is: the claim happens once per rendezvous (every world restores once), the storage checks
+it, and it works the same for every rendezvous backend and for ``ElasticSession``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_train.errors import CheckpointFencedError
+
+_EPOCH_FILE = re.compile(r"^epoch-(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One world's claim: its epoch, the step it resumed from (None: from scratch)."""
+
+    epoch: int
+    resumed_from: int | None
+    run_id: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    time: float | None = None
+
+    def describe(self) -> str:
+        start = f"resumed from step {self.resumed_from}" if self.resumed_from is not None \
+            else "started from scratch"
+        when = time.strftime("%H:%M:%S", time.localtime(self.time)) if self.time else "?"
+        return f"writer epoch {self.epoch} (host {self.host}, pid {self.pid}, {when}, {start})"
+
+
+class WriterFence:
+    """The writer epochs of one run directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def claims(self) -> list[Claim]:
+        """Every claim, oldest first (an unreadable one counts, resumed from nothing)."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            match = _EPOCH_FILE.match(entry.name)
+            if not match:
+                continue
+            epoch = int(match.group(1))
+            try:
+                raw = json.loads(entry.read_text())
+                found.append(Claim(epoch, raw.get("resumed_from"), raw.get("run_id"),
+                                   raw.get("host"), raw.get("pid"), raw.get("time")))
+            except (OSError, ValueError, AttributeError):
+                found.append(Claim(epoch, None))  # being written, or torn: still a claim
+        return sorted(found, key=lambda c: c.epoch)
+
+    def newest(self) -> Claim | None:
+        claims = self.claims()
+        return claims[-1] if claims else None
+
+    def claim(self, resumed_from: int | None, run_id: str) -> int:
+        """Claim the next epoch for this world (rank 0, once per world); its number."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        newest = self.newest()
+        epoch = newest.epoch + 1 if newest is not None else 1
+        record = json.dumps({"resumed_from": resumed_from, "run_id": run_id,
+                             "host": socket.gethostname(), "pid": os.getpid(),
+                             "time": time.time()}).encode()
+        while True:
+            path = self.directory / f"epoch-{epoch:08d}"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                epoch += 1  # another world claimed it first: the next one is ours
+                continue
+            try:
+                os.write(fd, record)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(self.directory)
+            return epoch
+
+    def check(self, epoch: int, step: int) -> None:
+        """Before committing checkpoint ``step`` of ``epoch``: raise when a newer world owns
+        the checkpoints."""
+        newest = self.newest()
+        if newest is not None and newest.epoch > epoch:
+            raise CheckpointFencedError(step, epoch, newest.epoch, newest.describe())
+
+
+def superseded(written_by: int | None, step: int, claims: list[Claim]) -> bool:
+    """Whether a checkpoint of ``step`` written by epoch ``written_by`` was committed after
+    a newer world forked from an earlier step (then no restore may choose it)."""
+    if written_by is None:  # written before writer epochs existed
+        return False
+    for claim in claims:
+        if claim.epoch > written_by:
+            base = claim.resumed_from if claim.resumed_from is not None else -1
+            if step > base:
+                return True
+    return False
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
