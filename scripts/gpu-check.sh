@@ -10,6 +10,10 @@
 #   bash scripts/gpu-check.sh bench    # benchmarks/gpu.py: 1B and small GPT (minutes)
 #   bash scripts/gpu-check.sh all      # the three
 #
+# Within the device tool's 10 minutes a command, split the benchmark in two:
+#   bash scripts/gpu-check.sh bench --models 1b --saves 3 --skip-recovery
+#   bash scripts/gpu-check.sh bench --models small
+#
 # Logs go to $OUT (the device tool's folder) or ./gpu-results.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -111,6 +111,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._joining: int | None = None  # the round a join in progress is in
         self._deadline: float | None = None  # of the join in progress
         self._closed = False
+        try:  # like etcd's concurrency.Session: the agent's lease lives from its start
+            self._lease.ensure()
+        except EtcdUnreachableError:
+            pass  # the join grants it, waiting for etcd up to connect_timeout
 
     # ---- torch's contract ------------------------------------------------------------------
     def get_backend(self) -> str:
