@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +39,13 @@ from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
 from elastic_train.live_recovery import FINISHED_KEY, GENERATION_KEY, READY_KEY, failure_key
 
 log = logging.getLogger(__name__)
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+LIVE_NCCL_ERROR_HANDLING = "2"
+"""What live workers get unless the job set it: on an NCCL error, abort the communicator
+and keep the process (torch's agent passes 1: abort and tear the process down, which would
+end the survivors that live recovery keeps). A collective that hangs is the step
+watchdog's to end (``--step-timeout``)."""
 
 
 class PerWorkerProcesses:
@@ -103,6 +110,15 @@ class PerWorkerProcesses:
         for ctx in self._running.values():
             ctx.close(death_sig, timeout)
         self._running.clear()
+
+
+def live_worker_env(env: dict[str, str], live_store: str,
+                    agent_env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A worker's environment under live recovery: torch's, plus our agent's store, plus
+    NCCL's error handling that keeps survivors alive unless the job set its own."""
+    nccl = {} if NCCL_ERROR_HANDLING in agent_env \
+        else {NCCL_ERROR_HANDLING: LIVE_NCCL_ERROR_HANDLING}
+    return {**env, LIVE_RECOVERY: "1", LIVE_STORE: live_store, **nccl}
 
 
 def _worker_logs_specs(specs: LogsSpecs, local_rank: int) -> LogsSpecs:
@@ -177,8 +193,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
                                 **kwargs)
 
             return PerWorkerProcesses(start_one, {
-                lr: {**env, LIVE_RECOVERY: "1", LIVE_STORE: live_store}
-                for lr, env in envs.items()})
+                lr: live_worker_env(env, live_store) for lr, env in envs.items()})
 
         module.start_processes = start_processes  # type: ignore[assignment]
         try:

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_train.checkpoint.storage import fsync_dir
 from elastic_train.errors import CheckpointFencedError
 
 _EPOCH_FILE = re.compile(r"^epoch-(\d{8,})$")
@@ -59,27 +60,28 @@ class WriterFence:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
-    def claims(self) -> list[Claim]:
-        """Every claim, oldest first (an unreadable one counts, resumed from nothing)."""
+    def _epochs(self) -> list[int]:
         if not self.directory.is_dir():
             return []
-        found = []
-        for entry in self.directory.iterdir():
-            match = _EPOCH_FILE.match(entry.name)
-            if not match:
-                continue
-            epoch = int(match.group(1))
-            try:
-                raw = json.loads(entry.read_text())
-                found.append(Claim(epoch, raw.get("resumed_from"), raw.get("run_id"),
-                                   raw.get("host"), raw.get("pid"), raw.get("time")))
-            except (OSError, ValueError, AttributeError):
-                found.append(Claim(epoch, None))  # being written, or torn: still a claim
-        return sorted(found, key=lambda c: c.epoch)
+        return sorted(int(m.group(1)) for m in map(_EPOCH_FILE.match, os.listdir(self.directory))
+                      if m)
+
+    def _read(self, epoch: int) -> Claim:
+        try:
+            raw = json.loads((self.directory / f"epoch-{epoch:08d}").read_text())
+            return Claim(epoch, raw.get("resumed_from"), raw.get("run_id"), raw.get("host"),
+                         raw.get("pid"), raw.get("time"))
+        except (OSError, ValueError, AttributeError):
+            return Claim(epoch, None)  # being written, or torn: still a claim
+
+    def claims(self) -> list[Claim]:
+        """Every claim, oldest first (an unreadable one counts, resumed from nothing)."""
+        return [self._read(epoch) for epoch in self._epochs()]
 
     def newest(self) -> Claim | None:
-        claims = self.claims()
-        return claims[-1] if claims else None
+        """The newest claim (one directory listing, one file read)."""
+        epochs = self._epochs()
+        return self._read(epochs[-1]) if epochs else None
 
     def claim(self, resumed_from: int | None, run_id: str) -> int:
         """Claim the next epoch for this world (rank 0, once per world); its number."""
@@ -101,7 +103,7 @@ class WriterFence:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             return epoch
 
     def check(self, epoch: int, step: int) -> None:
@@ -123,11 +125,3 @@ def superseded(written_by: int | None, step: int, claims: list[Claim]) -> bool:
             if step > base:
                 return True
     return False
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -144,7 +144,8 @@ def tensor_shapes(model_state: Mapping[str, torch.Tensor]) -> dict[str, list[Any
     return {name: [str(t.dtype), list(t.shape)] for name, t in model_state.items()}
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -216,7 +217,7 @@ class CheckpointStore:
                 json.dump(manifest, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             hook("manifest-synced")
             if before_commit is not None:
                 before_commit()
@@ -224,7 +225,7 @@ class CheckpointStore:
                 self._set_aside(final)
             os.rename(tmp, final)
             hook("renamed")
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -240,7 +241,7 @@ class CheckpointStore:
         """Rename a corrupt checkpoint to ``step-N.corrupt-…``: out of every listing and of
         retention's count, its bytes kept for inspection."""
         aside = self._set_aside(info.path)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return aside
 
     def set_aside_dirs(self) -> list[Path]:
@@ -360,7 +361,7 @@ class CheckpointStore:
             shutil.rmtree(trash, ignore_errors=True)
             deleted.append(info.path)
         if deleted:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         return deleted
 
 

@@ -173,3 +173,18 @@ def metrics_node(registry: CollectorRegistry) -> str:
             if "node" in sample.labels:
                 return sample.labels["node"]
     raise AssertionError("no node label")
+
+
+def test_live_workers_keep_their_process_on_an_nccl_error_unless_the_job_says_otherwise(
+) -> None:
+    from elastic_train.live_agent import live_worker_env
+
+    torch_env = {"RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # what torch's agent sets
+    env = live_worker_env(torch_env, "127.0.0.1:5000", agent_env={})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"   # abort the communicator only
+    assert env["ELASTIC_TRAIN_LIVE_STORE"] == "127.0.0.1:5000" and env["RANK"] == "1"
+    # The job set its own: torch's agent passed it on, and it stays.
+    own = {"RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    chosen = live_worker_env(own, "127.0.0.1:5000",
+                             agent_env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+    assert chosen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
