@@ -214,7 +214,7 @@ def test_handwritten_loop_stops_on_sigterm_and_the_rerun_loses_no_step(
     assert rerun.wait(TIMEOUT) == 0, rerun.report()
     loaded = [e["step"] for e in read_events(run_dir / EVENTS_FILE)
               if e["event"] == "checkpoint_loaded"]
-    assert loaded == [stopped]                                  # no step lost
+    assert loaded == [stopped], rerun.report()                  # no step lost
     assert harness.digest_at(run_dir, 128) == tutorial_reference
 
 
