@@ -15,11 +15,13 @@ without joining its stuck work, which ends at its own timeout in the background.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,6 +73,46 @@ _aborted: str | None = None
 _generation = 0
 """The generation of the world this process' group belongs to (live recovery)."""
 _abandoned: list[dist.ProcessGroup] = []
+_callbacks_held = threading.Condition(threading.Lock())
+_callbacks_pending = 0
+"""Our Python callbacks that a backend thread still holds (see ``settle_callbacks``)."""
+SETTLE_SECONDS = 2.0
+
+
+def _hold_callback(callback: Any) -> None:
+    """Count ``callback`` as held by a backend thread until it is released."""
+    global _callbacks_pending
+    with _callbacks_held:
+        _callbacks_pending += 1
+    weakref.finalize(callback, _callback_released)
+
+
+def _callback_released() -> None:
+    global _callbacks_pending
+    with _callbacks_held:
+        _callbacks_pending -= 1
+        _callbacks_held.notify_all()
+
+
+def settle_callbacks(timeout: float = SETTLE_SECONDS) -> bool:
+    """Wait (bounded) until no backend thread holds one of our callbacks; True if none does.
+
+    A gloo worker thread runs a collective's done-callback, wakes the waiter, and only then
+    releases the callback, which takes the GIL. If the process is finalizing by then, that
+    thread cannot take it: CPython ends it inside C++ code and the process aborts with
+    "terminate called without an active exception" (seen at the end of 1 in 9 resumed runs;
+    the core dump showed exactly this). Waiting here, while the interpreter still runs, lets
+    the release happen first. Called when the group is destroyed and at exit; skipped in a
+    process that abandoned a group (its stuck work holds callbacks until its timeout, and
+    such a process ends with ``os._exit``, train.py).
+    """
+    if _abandoned:
+        return False
+    with _callbacks_held:
+        return _callbacks_held.wait_for(lambda: _callbacks_pending <= 0, timeout)
+
+
+atexit.register(settle_callbacks)
 
 
 def _abortable(future: torch.futures.Future) -> torch.futures.Future:
@@ -92,7 +134,9 @@ def _abortable(future: torch.futures.Future) -> torch.futures.Future:
         except Exception as exc:  # the collective's own error (a peer reset the connection)
             mine.set_exception(exc)
 
+    _hold_callback(done)
     future.add_done_callback(done)
+    del done  # the backend's reference is then the last: its release is counted
     return mine
 
 
@@ -347,4 +391,5 @@ def default_store() -> dist.Store | None:
 def destroy_group() -> None:
     """Tear the group down (after every rank finished its last collective)."""
     if dist.is_initialized():
+        settle_callbacks()
         dist.destroy_process_group()
