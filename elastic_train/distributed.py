@@ -75,12 +75,12 @@ _generation = 0
 _abandoned: list[dist.ProcessGroup] = []
 _callbacks_held = threading.Condition(threading.Lock())
 _callbacks_pending = 0
-"""Our Python callbacks that a backend thread still holds (see ``settle_callbacks``)."""
+"""Our callbacks that a backend thread ran and has not released yet (``settle_callbacks``)."""
 SETTLE_SECONDS = 2.0
 
 
 def _hold_callback(callback: Any) -> None:
-    """Count ``callback`` as held by a backend thread until it is released."""
+    """Count ``callback``, which is running now, until its last reference goes."""
     global _callbacks_pending
     with _callbacks_held:
         _callbacks_pending += 1
@@ -125,6 +125,10 @@ def _abortable(future: torch.futures.Future) -> torch.futures.Future:
         _open.add(mine)
 
     def done(result: torch.futures.Future) -> None:
+        running = me()
+        if running is not None:  # the backend thread releases it after this returns
+            _hold_callback(running)
+            del running
         with _lock:
             if mine not in _open:
                 return  # aborted first
@@ -132,11 +136,11 @@ def _abortable(future: torch.futures.Future) -> torch.futures.Future:
         try:
             mine.set_result(result.value())
         except Exception as exc:  # the collective's own error (a peer reset the connection)
-            mine.set_exception(exc)
+            # Without its traceback: that holds this frame, which holds this function.
+            mine.set_exception(exc.with_traceback(None))
 
-    _hold_callback(done)
+    me = weakref.ref(done)
     future.add_done_callback(done)
-    del done  # the backend's reference is then the last: its release is counted
     return mine
 
 
