@@ -303,7 +303,10 @@ class WorkerRuntime:
         stop = self.preemption is not None and self.preemption.requested
         save_failed = self.save_failure.vote()
         if loss_sum is None and (self.group.world_size == 1 or not self.votes_needed):
-            vote = Vote(0.0, stop, save_failed, (self.env.group_rank,) if stop else ())
+            # No collective: rank 0's reason to stop (a fenced write) cannot reach the
+            # others, so it must not end rank 0's loop alone (the final save reports it).
+            alone = save_failed and self.group.world_size == 1
+            vote = Vote(0.0, stop, alone, (self.env.group_rank,) if stop else ())
         else:
             # [loss sum, stop votes, save-failure stop, stop votes of node 0, node 1, ...]
             tally = torch.zeros(3 + self.env.group_world_size, dtype=torch.float64,

@@ -33,16 +33,16 @@ def events(run: RunDir, name: str, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_events(run.root / f"events-{name}.jsonl") if e["event"] == kind]
 
 
-def test_claims_are_exclusive_and_a_racing_world_takes_the_next_epoch(tmp_path: Path) -> None:
+def test_claims_are_exclusive_and_a_racing_world_takes_the_next_epoch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fence = WriterFence(tmp_path / "writers")
     assert fence.claim(None, "a") == 1
     assert WriterFence(tmp_path / "writers").claim(10, "b") == 2
     # A world that claimed epoch 3 between our read and our create: we take 4.
     (tmp_path / "writers" / "epoch-00000003").write_text("")
-    real_newest = fence.newest
-    fence.newest = lambda: Claim(2, 10)  # type: ignore[method-assign]
-    assert fence.claim(20, "c") == 4
-    fence.newest = real_newest  # type: ignore[method-assign]
+    with monkeypatch.context() as patched:  # as if we read the directory before it came
+        patched.setattr(fence, "newest", lambda: Claim(2, 10))
+        assert fence.claim(20, "c") == 4
     assert [c.epoch for c in fence.claims()] == [1, 2, 3, 4]
     assert [c.resumed_from for c in fence.claims()] == [None, 10, None, 20]
     fence.check(4, 30)

@@ -22,7 +22,7 @@ from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
-from elastic_train.errors import CheckpointStopError, NodeStoppedError
+from elastic_train.errors import CheckpointFencedError, CheckpointStopError, NodeStoppedError
 from elastic_train.events import EventLog, read_events
 from elastic_train.rundir import RunDir
 from elastic_train.runtime import GO_ON, Vote, WorkerRuntime
@@ -163,6 +163,22 @@ def test_without_a_stop_policy_a_loop_without_a_loss_makes_no_collective(
     stopping = make_runtime(RunDir(tmp_path / "run"),
                             policy=CheckpointConfig(on_save_failure="stop"), budget=None)
     assert stopping.votes_needed
+
+
+def test_a_fenced_write_without_a_collective_does_not_end_rank_0s_loop_alone(
+        tmp_path: Path) -> None:
+    """With no vote collective (no loss, no stop policy), only a world of one may stop on
+    rank 0's fenced write: in a larger world rank 0 leaving alone would hang the others."""
+    fenced = CheckpointFencedError(4, 1, 2, "writer epoch 2")
+    alone = make_runtime(RunDir(tmp_path / "one"), budget=None)
+    alone.checkpoints.fenced = fenced
+    assert alone.vote().ends_loop
+    pair = WorkerRuntime(RunDir(tmp_path / "two"), WorkerEnv(run_id="r1"),
+                         Group(rank=0, world_size=2, backend="gloo", device=torch.device("cpu")),
+                         CheckpointConfig(every_steps=2, asynchronous=False),
+                         preemption_budget=None)
+    pair.checkpoints.fenced = fenced
+    assert not pair.votes_needed and pair.vote() == GO_ON
 
 
 def test_a_failed_save_under_stop_ends_every_rank_with_one_line_and_refuses_a_restart(
