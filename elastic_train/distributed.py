@@ -167,6 +167,25 @@ def abort_collectives(reason: str, generation: int | None = None) -> None:
         future.set_exception(CollectiveAborted(reason))
 
 
+_PEER_LOST = ("Connection", "connection", "peer", "Timed out", "timed out", "NCCL", "Gloo",
+              "gloo")
+
+
+def is_collective_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it came from) is a collective that failed or was aborted
+    (a peer lost, a timeout, ``abort_collectives``), not an error of the loop's own code:
+    live recovery asks the agents to re-form only for the former."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (CollectiveAborted, dist.DistError)):
+            return True
+        if isinstance(exc, RuntimeError) and any(word in str(exc) for word in _PEER_LOST):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def abortable_allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP communication hook: the default gradient mean, through an abortable future.
 
@@ -224,15 +243,7 @@ def store_prefix(run_id: str, restart_count: int, generation: int = 0) -> str:
 
 def _store_address(env: WorkerEnv) -> str:
     """HOST:PORT of the store this worker's group forms on (for messages)."""
-    return env.live_store or f"{env.master_addr}:{env.master_port}"
-
-
-def live_store(env: WorkerEnv, timeout: timedelta) -> dist.Store:
-    """A client of the store the agent keeps for live recovery (``env.live_store``)."""
-    assert env.live_store is not None
-    host, _, port = env.live_store.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout,
-                         wait_for_workers=False)
+    return f"{env.master_addr}:{env.master_port}"
 
 
 def agent_store(env: WorkerEnv, timeout: timedelta) -> dist.Store:
@@ -257,9 +268,6 @@ def _store_for(env: WorkerEnv, timeout: timedelta, generation: int = 0) -> dist.
     """
     if not env.under_torchrun:
         return dist.HashStore() if env.world_size == 1 else None
-    if env.live_store:
-        return dist.PrefixStore(store_prefix(env.run_id, env.restart_count, generation),
-                                live_store(env, timeout))
     if not env.use_agent_store:
         return None
     store = agent_store(env, timeout)
@@ -272,9 +280,11 @@ def _store_for(env: WorkerEnv, timeout: timedelta, generation: int = 0) -> dist.
 
 
 def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
-               generation: int = 0, connect_seconds: float | None = None) -> Group:
+               generation: int = 0, connect_seconds: float | None = None,
+               store: dist.Store | None = None) -> Group:
     """Form the process group of this incarnation (idempotent within a process);
-    ``generation``: the world re-formed in place that this group belongs to;
+    ``generation``: the world re-formed in place that this group belongs to, formed on
+    ``store`` (live_recovery.py; else the store torchrun gives);
     ``connect_seconds``: a shorter bound for forming it (a world re-formed in place, where
     a member lost meanwhile must not hold the others for the whole collective timeout)."""
     global _aborted, _generation
@@ -286,7 +296,10 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
         return Group(dist.get_rank(), dist.get_world_size(), chosen, device)
     timeout = timedelta(seconds=timeout_seconds)
     connect = timedelta(seconds=min(connect_seconds or timeout_seconds, timeout_seconds))
-    store = _store_for(env, connect, generation)
+    where = f"the live store of generation {generation}" if store is not None \
+        else _store_address(env)
+    if store is None:
+        store = _store_for(env, connect, generation)
     with _lock:
         _aborted = None
         _generation = generation
@@ -304,7 +317,7 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
         # under another index than a worker starting afresh, and never meet it.
         dist.distributed_c10d._world.group_count = 0
         raise DistributedError(
-            f"rank {env.rank} could not join the process group at {_store_address(env)} "
+            f"rank {env.rank} could not join the process group at {where} "
             f"({str(exc).splitlines()[0]}): check that every worker reaches that address, or "
             "raise --collective-timeout") from exc
     return Group(env.rank, env.world_size, chosen, device)

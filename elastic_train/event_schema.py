@@ -143,11 +143,14 @@ class Recovery(EventRecord):
     world goes on from; ``steps_redone``: steps whose work was lost (the step in flight on a
     live recovery; the steps after the checkpoint on a restart); ``seconds``: from the
     agent's detection of the failure to the state in place on every rank (live), or null;
-    ``bytes``: the state sent between workers (live) or read from disk (restart).
+    ``bytes``: the state sent between workers (live) or read from disk (restart);
+    ``cause`` (live): worker lost, node lost, node joined, collective failed, new round;
+    ``lost_nodes`` (live): agents of the world before that are not in this one.
     """
 
     event: ClassVar[Event] = Event.RECOVERY
-    omitted_when_none: ClassVar[frozenset[str]] = frozenset({"generation", "source_rank"})
+    omitted_when_none: ClassVar[frozenset[str]] = frozenset({"generation", "source_rank",
+                                                             "cause", "lost_nodes"})
     flattened: ClassVar[frozenset[str]] = frozenset({"marks"})
     kind: str
     restart: int
@@ -160,10 +163,13 @@ class Recovery(EventRecord):
     bytes: int | None
     generation: int | None = None
     source_rank: int | None = None
+    cause: str | None = None
+    lost_nodes: int | None = None
     marks: Mapping[str, float] = field(default_factory=dict)
     """Live: Unix times on rank 0 of ``detected_at`` (the agent), ``failed_at`` (its step
-    failed; a started-again rank 0: ``process_start``), ``joined_at`` (new group formed)
-    and ``state_at`` (every rank holds the newest state)."""
+    failed) or ``paused_at`` (it left its loop at a step boundary; a started-again rank 0:
+    ``process_start``), ``joined_at`` (new group formed) and ``state_at`` (every rank holds
+    the newest state)."""
 
 
 @dataclass(frozen=True, kw_only=True)

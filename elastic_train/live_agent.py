@@ -1,20 +1,38 @@
-"""Live recovery, the agent's side: start again only the worker that died.
+"""Live recovery, the agent's side: re-form the world in place, on one node or across nodes.
 
 torch's ``LocalElasticAgent`` starts a node's workers as one process context, and a
-context whose process fails closes the rest: any failure restarts every worker from the
-newest checkpoint. ``LiveRecoveryAgent`` starts each worker in a context of its own
-(``PerWorkerProcesses``). When some workers fail while others of the world still run, it
-announces a new generation of the world in its store (``live_recovery.GENERATION_KEY``)
-and starts only the failed ones again; the survivors keep their processes and state, and
-the world re-forms in place (live_recovery.py, runtime.WorkerRuntime.rejoin).
+context whose process fails closes the rest; any failure or membership change then stops
+every worker of every node and restarts them from the newest checkpoint.
+``LiveRecoveryAgent`` starts each worker in a context of its own (``PerWorkerProcesses``)
+and moves the world from one *generation* to the next instead (plans: live_plan.py):
 
-It falls back to torch's restart path, unchanged, when live recovery cannot help: every
-worker failed (no one holds the state), the world had not restored its state yet or had
-left the training loop, the job asked for ``--recovery restart``, the
-workers do not share the agent's store, or the job has several nodes (each node's agent
-sees only its own workers; re-forming across agents is not built yet). Live restarts are
-bounded by ``--max-restarts`` like group restarts, so a worker that fails again and again
-ends in the restart path, then the job's failure.
+- **After every rendezvous round** (the start, a node joining, torch's restart path) the
+  agents of the round agree on the round's first plan: group rank 0 reads what each brings
+  and commits the plan in the round's store. If some agent's workers hold the state, they
+  keep running and every other worker starts without it and receives it from them
+  (``live``); else every worker starts from the newest checkpoint (``fresh``). While the
+  round forms, the workers train on: a node that joins costs them only the pause at a step
+  boundary (torch's agent restarts every worker here).
+- **When a worker dies**, its agent starts it again at once (a fork from the forkserver)
+  and calls the other agents to re-form; **when a worker's collective fails** (a peer
+  died, maybe with its whole node), its agent does the same. The calling agent
+  coordinates: it tells every member of the generation before in that member's own store
+  (live_peers.py: an agent that died refuses the connection, so it counts as lost at
+  once, without waiting out a heartbeat, a lease or a last call), takes those that arrive,
+  and commits the next plan by compare-and-swap in the rendezvous round's store: from the
+  plan it replaces, so a stale or partitioned coordinator cannot commit, and of two
+  coordinators calling at once the one with the smaller id leads.
+- **Telling the workers**: each agent writes the plan into its own store with a mode
+  (``abort``: fail your collectives and re-form now; ``boundary``: re-form after your
+  step once the new workers are built; ``start``) and bumps the generation its workers
+  watch (live_recovery.py).
+
+It falls back to torch's restart path, unchanged, when live recovery cannot help: no worker
+holds the state anymore, the world had not restored its state yet or had left the training
+loop, the others re-formed the world without this node, the job asked for
+``--recovery restart``, or the job spans nodes on a backend other than c10d or etcd-v3.
+Restarts of failed workers in place are bounded by ``--max-restarts`` like group restarts,
+so a worker that fails again and again ends in the restart path, then the job's failure.
 """
 
 from __future__ import annotations
@@ -23,6 +41,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
@@ -36,9 +55,38 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 
 from elastic_train.distributed import store_prefix
 from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
-from elastic_train.live_recovery import FINISHED_KEY, GENERATION_KEY, READY_KEY, failure_key
+from elastic_train.live_peers import (
+    NOTICE_KEY,
+    RESTART,
+    Notice,
+    PeerStores,
+    arrival_key,
+    local_value,
+    plan_key,
+)
+from elastic_train.live_plan import Arrival, Plan, plan_reformation, plan_round
+from elastic_train.live_recovery import (
+    FAILED_COLLECTIVE_KEY,
+    FINISHED_KEY,
+    GENERATION_KEY,
+    READY_KEY,
+    Announcement,
+    announcement_key,
+)
 
 log = logging.getLogger(__name__)
+
+ACROSS_NODES = ("c10d", "etcd-v3")
+"""Rendezvous backends whose jobs re-form in place across nodes (tested with both)."""
+ROUND_PREFIX = "elastic_train/live"
+COMMITTED_KEY = f"{ROUND_PREFIX}/plan"
+"""The newest committed plan, in the rendezvous round's store."""
+ARRIVE_SECONDS = 10.0
+"""How long a coordinator waits for a member that took its call to arrive (members look
+for calls every --monitor-interval; one busy in a rendezvous round comes later)."""
+FOLLOW_SECONDS = ARRIVE_SECONDS + 5.0
+"""How long a member waits for its coordinator's plan before it coordinates itself."""
+REFORM_ATTEMPTS = 3
 
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 LIVE_NCCL_ERROR_HANDLING = "2"
@@ -64,6 +112,10 @@ class PerWorkerProcesses:
     def pids(self) -> dict[int, int]:
         """Each worker's pid (the last one of a worker that ended)."""
         return dict(self._pids)
+
+    def running(self) -> list[int]:
+        """The local ranks whose process runs (as of the last poll)."""
+        return list(self._running)
 
     def poll_failed(self) -> tuple[dict[int, Any], int]:
         """Poll every running worker: (the newly failed ones' failures by local rank, how
@@ -112,13 +164,15 @@ class PerWorkerProcesses:
         self._running.clear()
 
 
-def live_worker_env(env: dict[str, str], live_store: str,
+def live_worker_env(env: dict[str, str], live_store: str, generation: int = 0,
                     agent_env: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """A worker's environment under live recovery: torch's, plus our agent's store, plus
-    NCCL's error handling that keeps survivors alive unless the job set its own."""
+    """A worker's environment under live recovery: torch's, plus our agent's store and the
+    generation it starts into (its plan is there), plus NCCL's error handling that keeps
+    survivors alive unless the job set its own."""
     nccl = {} if NCCL_ERROR_HANDLING in agent_env \
         else {NCCL_ERROR_HANDLING: LIVE_NCCL_ERROR_HANDLING}
-    return {**env, LIVE_RECOVERY: "1", LIVE_STORE: live_store, **nccl}
+    return {**env, LIVE_RECOVERY: "1", LIVE_STORE: live_store,
+            LIVE_GENERATION: str(generation), **nccl}
 
 
 def _worker_logs_specs(specs: LogsSpecs, local_rank: int) -> LogsSpecs:
@@ -137,7 +191,8 @@ def _worker_logs_specs(specs: LogsSpecs, local_rank: int) -> LogsSpecs:
 
 
 class LiveRecoveryAgent(LocalElasticAgent):
-    """torch's local agent, with workers started again one by one (see the module)."""
+    """torch's local agent, with workers started again one by one and worlds re-formed in
+    place across agents (see the module)."""
 
     recovery = "live"
     """'live' or 'restart' (the job's --recovery); set by ``live_agent_installed``."""
@@ -145,18 +200,53 @@ class LiveRecoveryAgent(LocalElasticAgent):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._live_left = self._worker_group.spec.max_restarts
-        self._live_store: dist.TCPStore | None = None
+        self._node_store: dist.TCPStore | None = None
+        self.address = ""
+        """This agent's id in a plan: HOST:PORT of its store."""
+        self._plan: Plan | None = None
+        self._plan_raw = b""
+        """The plan as committed (the rendezvous store swaps from these exact bytes)."""
+        self._peers = PeerStores(timeout=FOLLOW_SECONDS)
         self._said_why_not = False
+        self._noticed = -1  # the newest generation a peer's notice asked for, handled
+        self._round_agents = 1  # agents of the rendezvous round (torch's group world size)
 
-    # ---- starting ---------------------------------------------------------------------------
+    # ---- whether and where -----------------------------------------------------------------
     def _live_possible(self, worker_group: WorkerGroup) -> str | None:
-        """None when this group's workers can be started again one by one, else why not."""
+        """None when this group's worlds can re-form in place, else why not."""
         if self.recovery != "live":
             return "--recovery restart"
-        if worker_group.group_world_size != 1:
-            return "the job has several nodes (live recovery across nodes is not built yet)"
+        backend = worker_group.spec.rdzv_handler.get_backend()
+        if (worker_group.group_world_size or 1) > 1 and backend not in ACROSS_NODES:
+            return (f"live recovery across nodes needs --rdzv-backend c10d or etcd-v3 (this "
+                    f"job uses {backend})")
         return None
 
+    def _ensure_node_store(self, worker_group: WorkerGroup) -> None:
+        if self._node_store is not None:
+            return
+        # for the agent's life; the workers' keys carry the restart count
+        self._node_store = dist.TCPStore(worker_group.master_addr or "127.0.0.1", 0,
+                                         is_master=True, wait_for_workers=False,
+                                         timeout=timedelta(seconds=60))
+        host = worker_group.spec.local_addr or socket.getfqdn()
+        self.address = f"{host}:{self._node_store.port}"
+
+    def _store_of_workers(self, worker_group: WorkerGroup) -> dist.Store:
+        """This agent's store, under the prefix its workers of this incarnation use
+        (distributed.store_prefix)."""
+        assert self._node_store is not None
+        spec = worker_group.spec
+        restart_count = spec.max_restarts - self._remaining_restarts
+        return dist.PrefixStore(store_prefix(spec.rdzv_handler.get_run_id(), restart_count),
+                                self._node_store)
+
+    def _commit_store(self, worker_group: WorkerGroup) -> dist.Store | None:
+        """Where plans are committed: the rendezvous round's store, shared by every agent
+        of the round (None for a round of one agent: no other can decide in it)."""
+        return worker_group.store if self._round_agents > 1 else None
+
+    # ---- starting: the first generation of a rendezvous round ------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         why_not = self._live_possible(worker_group)
         if why_not is not None:
@@ -164,17 +254,265 @@ class LiveRecoveryAgent(LocalElasticAgent):
                 log.warning("live recovery is off (%s): a failed worker restarts every "
                             "worker from the newest checkpoint", why_not)
                 self._said_why_not = True
+            self._plan = None
             return super()._start_workers(worker_group)
-        if self._live_store is None:  # for the agent's life; keys carry the restart count
-            self._live_store = dist.TCPStore(worker_group.master_addr or "127.0.0.1", 0,
-                                             is_master=True, wait_for_workers=False,
-                                             timeout=timedelta(seconds=60))
-        with self._per_worker_contexts(f"{worker_group.master_addr or '127.0.0.1'}:"
-                                       f"{self._live_store.port}"):
-            return super()._start_workers(worker_group)
+        self._ensure_node_store(worker_group)
+        self._round_agents = worker_group.group_world_size
+        plan, raw = self._agree_on_round(worker_group)
+        return self._apply_round(worker_group, plan, raw)
+
+    def _agree_on_round(self, worker_group: WorkerGroup) -> tuple[Plan, bytes]:
+        """Every agent of the round says what it brings; group rank 0 decides and commits
+        (one write and one read per agent, one multi-get for rank 0)."""
+        arrival = self._arrival(worker_group, self._holding())
+        store = self._commit_store(worker_group)
+        if store is None:
+            plan = plan_round([arrival], self.address, detected_at=time.time())
+            return plan, plan.encode()
+        store.set(f"{ROUND_PREFIX}/arrival/{worker_group.group_rank}", arrival.encode())
+        if worker_group.group_rank == 0:
+            raws = store.multi_get([f"{ROUND_PREFIX}/arrival/{r}"
+                                    for r in range(worker_group.group_world_size)])
+            plan = plan_round([Arrival.decode(r) for r in raws], self.address,
+                              detected_at=time.time())
+            store.compare_set(COMMITTED_KEY, "", plan.encode())
+        raw = store.get(COMMITTED_KEY)
+        return Plan.decode(raw), raw
+
+    def _apply_round(self, worker_group: WorkerGroup, plan: Plan, raw: bytes
+                     ) -> dict[int, Any]:
+        """Start the workers this agent must start for ``plan``; keep those that hold the
+        state (they re-form at their next step boundary, or at once when peers were lost)."""
+        before = self._plan
+        keep = set(plan.keeps(self.address))
+        workers = self._pcontext if isinstance(self._pcontext, PerWorkerProcesses) else None
+        if not keep or workers is None:
+            if workers is not None:
+                workers.close()
+            self._adopt(worker_group, plan, raw)
+            self._announce(worker_group, plan, "start")
+            with self._per_worker_contexts(self.address, plan.generation):
+                started = super()._start_workers(worker_group)
+            log.info("generation %d (%s) of %d workers: started %d here (%s)", plan.generation,
+                     plan.kind, plan.world_size, len(started), plan.cause)
+            return started
+        self._adopt(worker_group, plan, raw)
+        if not plan.same_world(before):
+            # Workers of the world before that do not go on: the others may wait on them.
+            peers_lost = before is None or any(len(plan.keeps(m.agent)) < m.workers
+                                               for m in before.members)
+            self._announce(worker_group, plan, "abort" if peers_lost else "boundary")
+            for local_rank in sorted(set(range(worker_group.spec.local_world_size)) - keep):
+                workers.restart(local_rank, {LIVE_GENERATION: str(plan.generation)})
+            log.warning("the world re-forms in place as generation %d: %d workers on %d "
+                        "nodes (%s)", plan.generation, plan.world_size, len(plan.members),
+                        plan.cause)
+        return workers.pids()
+
+    # ---- re-forming within a round ----------------------------------------------------------
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        workers = self._pcontext
+        if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
+            return super()._monitor_workers(worker_group)
+        failed, running = workers.poll_failed()
+        store = self._store_of_workers(worker_group)
+        notice = self._notice()
+        reported = self._reported_failure(store)
+        if not (failed or notice or reported):
+            return super()._monitor_workers(worker_group)
+        why_not = self._why_not_now(store, failed, running)
+        if why_not is not None:
+            log.warning("the world cannot re-form in place (%s): every worker of this node "
+                        "restarts from the newest checkpoint", why_not)
+            return super()._monitor_workers(worker_group) if failed \
+                else RunResult(state=WorkerState.UNHEALTHY)
+        if self._reform(worker_group, workers, failed, notice):
+            return RunResult(state=WorkerState.HEALTHY)
+        return RunResult(state=WorkerState.UNHEALTHY, failures={
+            worker_group.workers[lr].global_rank: failure for lr, failure in failed.items()})
+
+    def _why_not_now(self, store: dist.Store, failed: Mapping[int, Any], running: int
+                     ) -> str | None:
+        if failed and self._live_left <= 0:
+            return "the live restarts of --max-restarts are spent"
+        if not store.check([READY_KEY]):
+            return "the workers had not restored their state yet"
+        if store.check([FINISHED_KEY]):
+            return "the workers had left the training loop"
+        return None
+
+    def _notice(self) -> Notice | None:
+        """A peer's call to re-form, when it asks for a generation not handled yet."""
+        assert self._node_store is not None and self._plan is not None
+        raw = local_value(self._node_store, NOTICE_KEY)
+        if raw is None:
+            return None
+        notice = Notice.decode(raw)
+        if notice.generation <= max(self._plan.generation, self._noticed):
+            return None
+        return notice
+
+    def _reported_failure(self, store: dist.Store) -> bool:
+        """A worker of this node saw a collective fail in the current generation."""
+        assert self._plan is not None
+        raw = local_value(store, FAILED_COLLECTIVE_KEY)
+        return raw is not None and int(json.loads(raw)["generation"]) >= self._plan.generation
+
+    def _reform(self, worker_group: WorkerGroup, workers: PerWorkerProcesses,
+                failed: Mapping[int, Any], notice: Notice | None) -> bool:
+        """Re-form the world without what was lost; False: this node must take torch's
+        restart path (no one holds the state, or the others went on without it)."""
+        assert self._plan is not None
+        detected_at = time.time()
+        base = self._plan
+        if notice is not None:
+            coordinator, generation = notice.coordinator, notice.generation
+            self._noticed = generation
+        else:
+            coordinator, generation = self.address, base.generation + 1
+        alive = tuple(sorted(workers.running()))
+        if failed:  # forked now: they build while the world agrees
+            self._live_left -= 1
+            for local_rank in failed:
+                pid = workers.restart(local_rank, {LIVE_GENERATION: str(generation)})
+                worker_group.workers[local_rank].id = pid
+            ranks = sorted(worker_group.workers[lr].global_rank for lr in failed)
+            log.warning("worker rank(s) %s failed (exit code %s): started again into the "
+                        "running world (live recovery, %d live restart(s) left)", ranks,
+                        [f.exitcode for f in failed.values()], self._live_left)
+        arrival = self._arrival(worker_group, alive)
+        plan, raw = None, None
+        for _ in range(REFORM_ATTEMPTS):
+            if coordinator == self.address:
+                outcome = self._coordinate(worker_group, base, generation, arrival,
+                                           detected_at)
+            else:
+                outcome = self._follow(coordinator, generation, arrival)
+            if outcome is RESTART:
+                return False
+            if outcome is not None:
+                plan, raw = outcome
+                break
+            # the coordinator is gone: this agent coordinates the next generation
+            coordinator, generation = self.address, generation + 1
+        if plan is None or raw is None or self.address not in plan.agents:
+            log.warning("the others re-formed the world without this node: it restarts "
+                        "its workers and joins again")
+            return False
+        self._adopt(worker_group, plan, raw)
+        self._announce(worker_group, plan, "abort")
+        log.warning("the world re-formed in place as generation %d: %d workers on %d nodes "
+                    "(%s)", plan.generation, plan.world_size, len(plan.members), plan.cause)
+        return True
+
+    def _coordinate(self, worker_group: WorkerGroup, base: Plan, generation: int,
+                    arrival: Arrival, detected_at: float
+                    ) -> tuple[Plan, bytes] | bytes | None:
+        """Call the members of ``base`` to generation ``generation``, take those that come
+        within ``ARRIVE_SECONDS`` (an agent that died refuses the call at once), commit the
+        plan. RESTART when none holds the state; None when another coordinator's call came
+        first and it is gone."""
+        assert self._node_store is not None
+        peers = [a for a in base.agents if a != self.address]
+        called = self._peers.tell_all(peers, NOTICE_KEY,
+                                      Notice(generation, self.address).encode())
+        arrivals = {self.address: arrival}
+        deadline = time.monotonic() + ARRIVE_SECONDS
+        while called - arrivals.keys() and time.monotonic() < deadline:
+            for agent in called - arrivals.keys():
+                raw = local_value(self._node_store, arrival_key(generation, agent))
+                if raw is not None:
+                    arrivals[agent] = Arrival.decode(raw)
+            rival = self._notice()
+            if rival is not None and rival.generation >= generation \
+                    and rival.coordinator < self.address:
+                # two agents called at once: the one with the smaller id coordinates
+                outcome = self._follow(rival.coordinator, rival.generation, arrival)
+                if isinstance(outcome, tuple):
+                    self._node_store.set(plan_key(generation), outcome[1])
+                return outcome
+            time.sleep(0.005)
+        plan = plan_reformation(base, arrivals, self.address, generation=generation,
+                                detected_at=detected_at)
+        if plan is None:
+            self._node_store.set(plan_key(generation), RESTART)
+            return RESTART
+        raw = self._commit(worker_group, plan.encode())
+        self._node_store.set(plan_key(generation), raw)
+        return Plan.decode(raw), raw
+
+    def _commit(self, worker_group: WorkerGroup, raw: bytes) -> bytes:
+        """Swap the committed plan from the one this agent applies to ``raw``; what is
+        committed now (another's plan if another agent, or a newer world, was first)."""
+        store = self._commit_store(worker_group)
+        if store is None:
+            return raw
+        return bytes(store.compare_set(COMMITTED_KEY, self._plan_raw, raw))
+
+    def _follow(self, coordinator: str, generation: int, arrival: Arrival
+                ) -> tuple[Plan, bytes] | bytes | None:
+        """Arrive at ``coordinator``'s call; its plan (RESTART, or None if it is gone)."""
+        if not self._peers.tell(coordinator, arrival_key(generation, self.address),
+                                arrival.encode()):
+            return None
+        raw = self._peers.read(coordinator, plan_key(generation), FOLLOW_SECONDS)
+        if raw is None or raw == RESTART:
+            return raw
+        return Plan.decode(raw), raw
+
+    # ---- telling the workers ----------------------------------------------------------------
+    def _adopt(self, worker_group: WorkerGroup, plan: Plan, raw: bytes) -> None:
+        """Take ``plan`` as this agent's generation: torch's view of the workers follows."""
+        self._plan, self._plan_raw = plan, raw
+        ranks = plan.ranks(self.address)
+        for worker in worker_group.workers:
+            worker.global_rank = worker.role_rank = ranks[worker.local_rank]
+            worker.world_size = worker.role_world_size = plan.world_size
+        worker_group.group_rank = plan.node_index(self.address)
+        worker_group.group_world_size = len(plan.members)
+
+    def _announce(self, worker_group: WorkerGroup, plan: Plan, mode: str) -> None:
+        """Tell this node's workers about ``plan``: ``abort`` (fail your collectives and
+        re-form now), ``boundary`` (re-form at the end of your step, once the workers that
+        start are ready) or ``start`` (for workers that start into it)."""
+        store = self._store_of_workers(worker_group)
+        store.set(announcement_key(plan.generation),
+                  Announcement(mode, self.address, plan).encode())
+        store.set(GENERATION_KEY, str(plan.generation))
+
+    def _arrival(self, worker_group: WorkerGroup, alive: tuple[int, ...]) -> Arrival:
+        plan = self._plan
+        if plan is None or self.address not in plan.agents:
+            return Arrival(self.address, worker_group.spec.local_world_size)
+        first = plan.first_rank(self.address)
+        return Arrival(self.address, worker_group.spec.local_world_size, alive, first,
+                       plan.generation, plan.world_size, writer=first == 0 and 0 in alive)
+
+    def _holding(self) -> tuple[int, ...]:
+        """Local ranks whose workers hold the state now (run, restored, in the loop)."""
+        workers = self._pcontext
+        if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
+            return ()
+        workers.poll_failed()
+        store = self._store_of_workers(self._worker_group)
+        if not store.check([READY_KEY]) or store.check([FINISHED_KEY]):
+            return ()
+        return tuple(sorted(workers.running()))
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """A node waits to join (torch's agent calls this on a healthy group): a new
+        rendezvous round while the workers train on, then a plan that keeps them."""
+        if worker_group.state == WorkerState.HEALTHY and self._holding() \
+                and self._live_possible(worker_group) is None:
+            self._rendezvous(worker_group)
+            for local_rank, pid in self._start_workers(worker_group).items():
+                worker_group.workers[local_rank].id = pid
+            worker_group.state = WorkerState.HEALTHY
+            return
+        super()._restart_workers(worker_group)
 
     @contextlib.contextmanager
-    def _per_worker_contexts(self, live_store: str) -> Iterator[None]:
+    def _per_worker_contexts(self, live_store: str, generation: int) -> Iterator[None]:
         """While the base class starts the workers: one context per worker, the workers
         told that the agent restarts them one by one."""
         from torch.distributed.elastic.agent.server import local_elastic_agent as module
@@ -193,57 +531,13 @@ class LiveRecoveryAgent(LocalElasticAgent):
                                 **kwargs)
 
             return PerWorkerProcesses(start_one, {
-                lr: live_worker_env(env, live_store) for lr, env in envs.items()})
+                lr: live_worker_env(env, live_store, generation) for lr, env in envs.items()})
 
         module.start_processes = start_processes  # type: ignore[assignment]
         try:
             yield
         finally:
             module.start_processes = original
-
-    # ---- watching ---------------------------------------------------------------------------
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        workers = self._pcontext
-        if isinstance(workers, PerWorkerProcesses):
-            failed, running = workers.poll_failed()
-            if failed and running and self._live_left > 0 \
-                    and self._in_training(self._store_of_workers(worker_group)):
-                self._restart_in_place(worker_group, workers, failed)
-                return RunResult(state=WorkerState.HEALTHY)
-        return super()._monitor_workers(worker_group)
-
-    @staticmethod
-    def _in_training(store: dist.Store) -> bool:
-        """The workers hold their state (restored) and have not left the loop: a lost one
-        can be replaced in place."""
-        return store.check([READY_KEY]) and not store.check([FINISHED_KEY])
-
-    def _restart_in_place(self, worker_group: WorkerGroup, workers: PerWorkerProcesses,
-                          failed: dict[int, Any]) -> None:
-        """Announce a new generation of the world, then start the failed workers into it."""
-        self._live_left -= 1
-        ranks = sorted(worker_group.workers[lr].global_rank for lr in failed)
-        store = self._store_of_workers(worker_group)
-        generation = int(store.add(GENERATION_KEY, 0)) + 1
-        store.set(failure_key(generation), json.dumps(
-            {"ranks": ranks, "detected_at": time.time(),
-             "exit_codes": [f.exitcode for f in failed.values()]}))
-        store.add(GENERATION_KEY, 1)
-        for local_rank in failed:
-            pid = workers.restart(local_rank, {LIVE_GENERATION: str(generation)})
-            worker_group.workers[local_rank].id = pid
-        log.warning("worker rank(s) %s failed (exit code %s): started again into the running "
-                    "world (live recovery, generation %d; %d live restart(s) left)",
-                    ranks, [f.exitcode for f in failed.values()], generation, self._live_left)
-
-    def _store_of_workers(self, worker_group: WorkerGroup) -> dist.Store:
-        """The live-recovery store, under the prefix this incarnation's workers use
-        (distributed.store_prefix)."""
-        assert self._live_store is not None
-        spec = worker_group.spec
-        restart_count = spec.max_restarts - self._remaining_restarts
-        return dist.PrefixStore(store_prefix(spec.rdzv_handler.get_run_id(), restart_count),
-                                self._live_store)
 
 
 @contextlib.contextmanager

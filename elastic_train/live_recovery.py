@@ -1,18 +1,23 @@
-"""Live recovery, the worker's side: a world that re-forms in place after a worker is lost.
+"""Live recovery, the worker's side: a world that re-forms in place, on one node or several.
 
-The agent (live_agent.py) starts again only the worker that died and announces a new
-*generation* of the world in the store it keeps for its workers (``env.live_store``: it
-outlives every worker, unlike the store rank 0 hosts under ``env://``) (``GENERATION_KEY`` under
-``distributed.store_prefix(run_id, restart)``). Every worker of the world:
+Each worker's agent (live_agent.py) keeps a store for its workers (``env.live_store``; it
+outlives every worker). Under ``distributed.store_prefix(run_id, restart)`` the agent
+announces each *generation* of the world: the plan (live_plan.py: the members, this
+worker's rank and world size, where the generation's process group forms, what was lost)
+and a mode. Every worker of the world:
 
-- watches that key from a thread; a newer generation fails its collectives at once
-  (``distributed.abort_collectives``), so a survivor blocked on any peer leaves its step;
-- after a failed step, waits for the announcement (``announced``): a failure that no
-  announcement explains is the worker's own and is raised as before, so that the agent's
-  restart path takes over;
-- joins the generation (``join``): a store barrier of all ``world_size`` members, moved on
-  to the next generation if one is announced meanwhile (a member lost again), then a new
-  process group under the generation's own key prefix.
+- watches the generation from a thread; a newer one in mode ``abort`` (a worker or a node
+  was lost) fails its collectives at once (``distributed.abort_collectives``), so a
+  survivor blocked on any peer leaves its step; one in mode ``boundary`` (a node joins)
+  lets the step finish: once the workers that start into it are built, ``reform_due`` is
+  set and the next vote takes every rank out of the loop at the same step;
+- after a failed collective, tells its agent (``report_failed_collective``; a peer on
+  another node may be gone, which only the agents can find out) and waits for the
+  announcement (``announced``): a failure that no announcement explains is raised as
+  before, so that the agent's restart path takes over;
+- joins the generation (``join``): a barrier of all its workers in the generation's store
+  (moved on to a newer generation if one is announced meanwhile: a member lost again),
+  then a new process group there.
 
 What the members do next, the state exchange, is the runtime's (runtime.WorkerRuntime.
 share_state): the lowest rank holding the newest step sends the state to every member
@@ -22,10 +27,10 @@ behind it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -35,6 +40,7 @@ from elastic_train import distributed
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import LiveRecoveryError
+from elastic_train.live_plan import LIVE, Plan
 
 GENERATION_KEY = "live/generation"
 READY_KEY = "live/ready"
@@ -43,50 +49,106 @@ has no survivor to take the state from, so the agent restarts the group instead.
 FINISHED_KEY = "live/finished"
 """Set when a worker left the training loop for good: a worker lost after that cannot be
 replaced in place (the others no longer meet), so the agent restarts the group instead."""
+FAILED_COLLECTIVE_KEY = "live/failed_collective"
+"""A worker's collective failed with no generation announced: its agent calls the others."""
 WATCH_INTERVAL = 0.05
 """Seconds between a worker's reads of the generation key."""
-ANNOUNCE_TIMEOUT = 10.0
-"""Seconds a worker whose step failed waits for the agent to announce a lost peer (the
-agent notices a dead worker within its monitor interval, 0.1 s by default)."""
+ANNOUNCE_TIMEOUT = 30.0
+"""Seconds a worker whose step failed waits for its agent to announce a new generation:
+more than a re-formation across nodes may take (live_agent.FOLLOW_SECONDS)."""
+JOIN_CONNECT_SECONDS = 15.0
+"""Bound on forming a re-formed world's process group: a member lost between the join's
+barrier and the group costs this long, not the whole --collective-timeout."""
 
 
-def failure_key(generation: int) -> str:
-    """Where the agent says which ranks it restarted for ``generation``, and when."""
-    return f"live/{generation}/failure"
+def announcement_key(generation: int) -> str:
+    """Where the agent puts generation ``generation``'s plan for its workers."""
+    return f"live/{generation}/announcement"
 
 
-def joined_key(generation: int) -> str:
-    return f"live/{generation}/joined"
+@dataclass(frozen=True)
+class Announcement:
+    """A generation as an agent tells its workers: the plan, and what to do now (``abort``,
+    ``boundary`` or ``start``: see the module); ``agent``: the agent's id in the plan."""
+
+    mode: str
+    agent: str
+    plan: Plan
+
+    def encode(self) -> str:
+        return json.dumps({"mode": self.mode, "agent": self.agent,
+                           "plan": self.plan.encode().decode()})
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> Announcement:
+        raw = json.loads(data)
+        return cls(str(raw["mode"]), str(raw["agent"]), Plan.decode(raw["plan"]))
 
 
 @dataclass(frozen=True)
 class Failure:
-    """What the agent announced with a generation."""
+    """What a generation's plan says was lost."""
 
     ranks: list[int]
     detected_at: float | None
+    cause: str | None = None
+    lost_nodes: int = 0
+
+
+def _store_client(address: str, timeout: timedelta) -> dist.Store:
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout,
+                         wait_for_workers=False)
 
 
 class LiveWorld:
     """This worker's membership in a world that re-forms in place (one per worker process).
 
-    ``generation``: the one this worker starts in (0, or the one it was started again
-    into); ``form_group(generation)`` forms the process group of a generation.
+    It starts in the generation its agent started it into (``env.live_generation``, read
+    from the agent's store): ``arriving`` when that world already runs (the state comes
+    from its members), else the world starts from the newest checkpoint. ``env`` is this
+    worker's place in the newest generation it joined (rank, world, node).
     """
 
-    def __init__(self, env: WorkerEnv, generation: int, timeout_seconds: float,
-                 form_group: Callable[[int], Group]) -> None:
-        self.env = env
-        self.generation = generation
+    def __init__(self, env: WorkerEnv, backend: str, timeout_seconds: float) -> None:
+        assert env.live_store is not None
+        self.backend = backend
         self.timeout_seconds = timeout_seconds
-        self._form_group = form_group
-        prefix = distributed.store_prefix(env.run_id, env.restart_count)
-        timeout = timedelta(seconds=timeout_seconds)
-        self._store = dist.PrefixStore(prefix, distributed.live_store(env, timeout))
-        self._watch_store = dist.PrefixStore(prefix, distributed.live_store(env, timeout))
+        self._timeout = timedelta(seconds=timeout_seconds)
+        self._prefix = distributed.store_prefix(env.run_id, env.restart_count)
+        self._store = dist.PrefixStore(self._prefix, _store_client(env.live_store,
+                                                                   self._timeout))
+        self._watch_store = dist.PrefixStore(self._prefix, _store_client(env.live_store,
+                                                                         self._timeout))
+        self._base_env = env
+        self.generation = env.live_generation
+        announcement = self._announcement(max(self.latest(wait=True), self.generation))
+        self._take(announcement)
+        self.arriving = announcement.plan.kind == LIVE
+        self._group_stores: dict[tuple[str, str], dist.Store] = {}
+        self._pending: Plan | None = None
+        self._seen = self.generation
+        self.reform_due = False
+        """A boundary re-formation is ready: the next vote takes every rank out of the loop."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="live-recovery-watch",
                                         daemon=True)
+
+    # ---- where this worker stands -----------------------------------------------------------
+    def _take(self, announcement: Announcement) -> None:
+        plan = announcement.plan
+        rank = plan.ranks(announcement.agent)[self._base_env.local_rank]
+        self.plan = plan
+        self.generation = plan.generation
+        self.env = dataclasses.replace(
+            self._base_env, rank=rank, world_size=plan.world_size,
+            group_rank=plan.node_index(announcement.agent), group_world_size=len(plan.members))
+
+    def provisional_group(self) -> Group:
+        """This worker's place before it joins (an arriving worker builds its model first)."""
+        device = distributed.pick_device(self.env)
+        return Group(self.env.rank, self.env.world_size,
+                     distributed.pick_backend(self.backend, device), device)
 
     # ---- watching ---------------------------------------------------------------------------
     def start(self) -> LiveWorld:
@@ -108,19 +170,47 @@ class LiveWorld:
         with contextlib.suppress(Exception):
             self._store.set(FINISHED_KEY, "1")
 
-    def latest(self) -> int:
-        """The newest generation the agent announced."""
+    def latest(self, wait: bool = False) -> int:
+        """The newest generation the agent announced (``wait``: until there is one)."""
+        if wait:
+            self._store.wait([GENERATION_KEY])
         return int(self._store.add(GENERATION_KEY, 0))
 
+    def _announcement(self, generation: int, store: dist.Store | None = None) -> Announcement:
+        return Announcement.decode((store or self._store).get(announcement_key(generation)))
+
+    def report_failed_collective(self) -> None:
+        """Tell the agent that a collective of this generation failed (a peer may be gone)."""
+        with contextlib.suppress(Exception):
+            self._store.set(FAILED_COLLECTIVE_KEY, json.dumps(
+                {"generation": self.generation, "rank": self.env.rank, "time": time.time()}))
+
     def _watch(self) -> None:
+        ready_store: dist.Store | None = None
         while not self._stop.wait(WATCH_INTERVAL):
             try:
                 latest = int(self._watch_store.add(GENERATION_KEY, 0))
-            except Exception:  # the agent's store is gone: the job is ending
-                return
-            if latest > self.generation:
-                distributed.abort_collectives(
-                    f"a worker was lost; the world re-forms as generation {latest}", latest)
+                if latest > max(self.generation, self._seen):
+                    self._seen = latest
+                    announcement = self._announcement(latest, self._watch_store)
+                    if announcement.mode == "boundary":
+                        self._pending = announcement.plan
+                        ready_store = None
+                    else:
+                        distributed.abort_collectives(
+                            f"the world re-forms as generation {latest} "
+                            f"({announcement.plan.cause})", latest)
+                pending = self._pending
+                if pending is not None and pending.generation > self.generation \
+                        and not self.reform_due:
+                    if ready_store is None:
+                        ready_store = self._generation_store(pending, private=True)
+                    if int(ready_store.add("ready", 0)) >= pending.started:
+                        self.reform_due = True
+            except Exception:  # the agent's store is gone (the job is ending) or a peer's
+                if self._stop.is_set():
+                    return
+                ready_store = None
 
     def announced(self, timeout: float = ANNOUNCE_TIMEOUT) -> int | None:
         """After a failed step: the newer generation the agent announced, or None if none
@@ -136,6 +226,26 @@ class LiveWorld:
             time.sleep(0.02)
 
     # ---- re-forming -------------------------------------------------------------------------
+    def _generation_store(self, plan: Plan, private: bool = False) -> dist.Store:
+        """The store generation ``plan`` forms in: its coordinator's, under its own prefix
+        (``private``: a client of the watcher thread's own)."""
+        key = (plan.group_store, "watch" if private else "main")
+        client = self._group_stores.get(key)
+        if client is None:
+            client = _store_client(plan.group_store, timedelta(seconds=JOIN_CONNECT_SECONDS))
+            self._group_stores[key] = client
+        return dist.PrefixStore(f"elastic_train/{self._base_env.run_id}/gen-{plan.generation}",
+                                client)
+
+    def ready_to_join(self) -> None:
+        """A worker that starts into a running world: built, it may now be waited for (the
+        members of a boundary re-formation leave their loop only then)."""
+        with contextlib.suppress(Exception):
+            latest = max(self.latest(), self.generation)
+            if latest != self.generation:
+                self._take(self._announcement(latest))
+            self._generation_store(self.plan).add("ready", 1)
+
     def join(self) -> Group:
         """Meet every member of the newest generation; form its process group.
 
@@ -144,31 +254,34 @@ class LiveWorld:
         """
         deadline = time.monotonic() + self.timeout_seconds
         generation = max(self.latest(), self.generation)
-        world = self.env.world_size
         while True:
-            self._store.add(joined_key(generation), 1)
+            self._take(self._announcement(generation))
+            store = self._generation_store(self.plan)
+            world = self.plan.world_size
+            store.add("joined", 1)
             while True:
                 latest = self.latest()
                 if latest > generation:  # a member was lost again: meet in the next one
                     generation = latest
                     break
-                if int(self._store.add(joined_key(generation), 0)) >= world:
-                    self.generation = generation
-                    return self._form_group(generation)
+                joined = int(store.add("joined", 0))
+                if joined >= world:
+                    self._pending, self.reform_due = None, False
+                    return distributed.init_group(
+                        self.env, self.backend, self.timeout_seconds, generation=generation,
+                        connect_seconds=JOIN_CONNECT_SECONDS,
+                        store=dist.PrefixStore("group", store))
                 if time.monotonic() >= deadline:
                     raise LiveRecoveryError(
-                        f"the world did not re-form: {self._store.add(joined_key(generation), 0)}"
-                        f" of {world} workers came back within {self.timeout_seconds:g} s "
-                        "(--collective-timeout); the job restarts from its newest checkpoint")
+                        f"the world did not re-form: {joined} of {world} workers came back "
+                        f"within {self.timeout_seconds:g} s (--collective-timeout); the job "
+                        "restarts from its newest checkpoint")
                 time.sleep(0.005)
 
     def failure(self, generation: int) -> Failure:
-        """What the agent said about ``generation``'s failure."""
+        """What generation ``generation``'s plan says was lost."""
         try:
-            if self._store.check([failure_key(generation)]):
-                data = json.loads(self._store.get(failure_key(generation)).decode())
-                return Failure([int(r) for r in data.get("ranks", [])],
-                               data.get("detected_at"))
-        except (RuntimeError, ValueError):
-            pass
-        return Failure([], None)
+            plan = self._announcement(generation).plan
+        except (RuntimeError, ValueError, KeyError):
+            return Failure([], None)
+        return Failure(list(plan.failed_ranks), plan.detected_at, plan.cause, len(plan.lost))

@@ -45,7 +45,7 @@ from elastic_train.event_schema import (
     Start,
 )
 from elastic_train.events import EventLog, EventObserver, Incarnation, previous_incarnation
-from elastic_train.live_recovery import LiveWorld
+from elastic_train.live_recovery import Failure, LiveWorld
 from elastic_train.preemption import StopRequest, node_stopped
 from elastic_train.rundir import RunDir
 from elastic_train.save_failure import SaveFailureStop
@@ -63,6 +63,9 @@ class Vote:
     """Rank 0 could not write a checkpoint and ``--on-save-failure`` is stop."""
     stopped_nodes: tuple[int, ...] = ()
     """The nodes (group ranks) whose workers got the signal."""
+    reform: bool = False
+    """A node is ready to join (live recovery): every rank re-forms the world after this
+    step, which is committed."""
 
     @property
     def ends_loop(self) -> bool:
@@ -196,37 +199,51 @@ class WorkerRuntime:
         return restored
 
     # ---- live recovery -------------------------------------------------------------------
-    def set_group(self, group: Group) -> None:
-        """This worker's new process group (the world re-formed in place)."""
+    def set_group(self, group: Group, env: WorkerEnv | None = None) -> None:
+        """This worker's new process group (the world re-formed in place), and its new
+        place in the job (``env``: rank, world and node may change with it). Rank 0 keeps
+        the event log and writes the checkpoints, whichever process it is now."""
         self.group = group
+        if env is not None:
+            self.env = env
+        self.events.enabled = group.rank == 0
         self.checkpoints.group = group
         self.save_failure.group = group
 
     def rejoin(self, objects: Mapping[str, Stateful], *, step: int | None,
                attempted: int | None = None, failed_at: float | None = None) -> Rejoined:
-        """A survivor of a lost worker: leave the old process group, meet every member of
-        the new generation in a new one, and bring every member to the newest state.
+        """A member of a world that re-forms (a worker or a node was lost, or one joins):
+        leave the old process group, meet every member of the new generation in a new one,
+        and bring every member to the newest state.
 
         ``step``: the step this member's state is at (None: a worker started again that
         has not received it yet); ``attempted``: the step it was in when its collective
-        failed. Raises ``LiveRecoveryError`` when the members do not
-        all come back or none holds state; the worker then fails and the agent restarts
-        the job from disk.
+        failed (None: it left at a step boundary). Raises ``LiveRecoveryError`` when the
+        members do not all come back, none holds state, or no new generation is announced
+        (a boundary vote whose agent never tells); the worker then fails and the agent
+        restarts the job from disk.
         """
         assert self.live is not None
         previous_world = self.group.world_size
+        if self.live.announced() is None:
+            raise LiveRecoveryError("the world was to re-form but this worker's agent "
+                                    "announced no new generation; the job restarts from its "
+                                    "newest checkpoint")
         distributed.abandon_group()
-        self.set_group(self.live.join())
-        marks = {"failed_at": failed_at or time.time(), "joined_at": time.time()}
+        self.set_group(self.live.join(), self.live.env)
+        marks = {"failed_at" if attempted is not None else "paused_at": failed_at or time.time(),
+                 "joined_at": time.time()}
         return self._share_and_report(objects, step, attempted, previous_world, marks)
 
-    def arrive(self, objects: Mapping[str, Stateful], started_at: float | None = None,
-               joined_at: float | None = None) -> Rejoined:
-        """A worker started again into a running world (its group formed by
-        ``LiveWorld.join``): receive the newest state from a survivor."""
-        marks = {"process_start": started_at or time.time(),
-                 "joined_at": joined_at or time.time()}
-        return self._share_and_report(objects, None, None, self.group.world_size, marks)
+    def arrive(self, objects: Mapping[str, Stateful], started_at: float | None = None
+               ) -> Rejoined:
+        """A worker started into a running world: join it, receive the newest state from
+        one of its members."""
+        assert self.live is not None
+        self.set_group(self.live.join(), self.live.env)
+        marks = {"process_start": started_at or time.time(), "joined_at": time.time()}
+        return self._share_and_report(objects, None, None,
+                                      self.live.plan.previous_world_size or 0, marks)
 
     def _share_and_report(self, objects: Mapping[str, Stateful], step: int | None,
                           attempted: int | None, previous_world: int,
@@ -239,19 +256,23 @@ class WorkerRuntime:
         if failure.detected_at is not None:
             marks["detected_at"] = failure.detected_at
         since = time.time() - failure.detected_at if failure.detected_at else None
+        world = self.group.world_size
+        previous_world = self.live.plan.previous_world_size or previous_world
         self.events.emit(Recovery(
             kind="live", restart=self.env.restart_count, step=rejoined.step,
-            world_size=self.group.world_size, previous_world_size=previous_world,
+            world_size=world, previous_world_size=previous_world,
             failed_ranks=failure.ranks, steps_redone=rejoined.steps_redone,
             seconds=round(since, 3) if since is not None else None, bytes=rejoined.bytes,
-            generation=generation, source_rank=rejoined.source_rank,
+            generation=generation, source_rank=rejoined.source_rank, cause=failure.cause,
+            lost_nodes=failure.lost_nodes or None,
             marks={k: round(v, 6) for k, v in marks.items()}))
+        if previous_world and previous_world != world:
+            self.events.emit(Resize(old_world_size=previous_world, new_world_size=world,
+                                    nodes=self.env.group_world_size,
+                                    restart=self.env.restart_count,
+                                    since_last_step_seconds=None))
         if self.group.rank == 0:
-            lost = ", ".join(map(str, failure.ranks)) or "?"
-            self.say(f"live recovery: rank {lost} started again, the world of "
-                     f"{self.group.world_size} re-formed in place (generation {generation}) "
-                     f"at step {rejoined.step}: {rejoined.bytes} bytes of state sent, "
-                     f"{rejoined.steps_redone} step redone")
+            self.say(_recovery_line(failure, previous_world, world, generation, rejoined))
         return rejoined
 
     def share_state(self, objects: Mapping[str, Stateful], *, step: int | None,
@@ -273,6 +294,12 @@ class WorkerRuntime:
         if newest < 0:
             raise LiveRecoveryError("no worker of the re-formed world holds the training "
                                     "state; the job restarts from its newest checkpoint")
+        fence = self.checkpoints.fence
+        if self.live is not None and self.live.plan.claim_epoch and rank == 0 \
+                and fence is not None:
+            # The writer of the world before is not in this one (a lost node, or one cut
+            # off): a new epoch fences whatever it may still commit (checkpoint/fence.py).
+            self.checkpoints.epoch = fence.claim(newest, self.env.run_id)
         source = held.index(newest)
         behind = [r for r, h in enumerate(held) if h < newest]
         sent = 0
@@ -302,24 +329,29 @@ class WorkerRuntime:
         """
         stop = self.preemption is not None and self.preemption.requested
         save_failed = self.save_failure.vote()
+        reform = self.live is not None and self.live.reform_due
         if loss_sum is None and (self.group.world_size == 1 or not self.votes_needed):
             # No collective: rank 0's reason to stop (a fenced write) cannot reach the
             # others, so it must not end rank 0's loop alone (the final save reports it).
             alone = save_failed and self.group.world_size == 1
-            vote = Vote(0.0, stop, alone, (self.env.group_rank,) if stop else ())
+            vote = Vote(0.0, stop, alone, (self.env.group_rank,) if stop else (),
+                        reform and self.group.world_size == 1)
         else:
-            # [loss sum, stop votes, save-failure stop, stop votes of node 0, node 1, ...]
-            tally = torch.zeros(3 + self.env.group_world_size, dtype=torch.float64,
+            # [loss sum, stop votes, save-failure stop, re-form, stop votes of node 0, ...]
+            tally = torch.zeros(4 + self.env.group_world_size, dtype=torch.float64,
                                 device=self.group.device)
             if loss_sum is not None:
                 tally[0] = loss_sum
             if stop:
-                tally[1] = tally[3 + self.env.group_rank] = 1.0
+                tally[1] = tally[4 + self.env.group_rank] = 1.0
             if save_failed:
                 tally[2] = 1.0
-            total, stops, failed, *by_node = distributed.sum_over_ranks(self.group, tally)
+            if reform:
+                tally[3] = 1.0
+            total, stops, failed, reforms, *by_node = distributed.sum_over_ranks(self.group,
+                                                                                tally)
             vote = Vote(total, stops > 0, failed > 0,
-                        tuple(node for node, v in enumerate(by_node) if v > 0))
+                        tuple(node for node, v in enumerate(by_node) if v > 0), reforms > 0)
         if vote.stop:
             self.stopped_nodes = vote.stopped_nodes
         return vote
@@ -383,3 +415,20 @@ class WorkerRuntime:
         """After a stop: a node whose workers got no signal raises ``NodeStoppedError``."""
         if self.stopped_at is not None and self.env.group_rank not in self.stopped_nodes:
             raise node_stopped(list(self.stopped_nodes), self.stopped_at)
+
+
+def _recovery_line(failure: Failure, before: int, after: int, generation: int,
+                   rejoined: Rejoined) -> str:
+    """What rank 0 says about a live recovery."""
+    state = (f"at step {rejoined.step}: {rejoined.bytes} bytes of state sent, "
+             f"{rejoined.steps_redone} step redone")
+    ranks = ", ".join(map(str, failure.ranks)) or "?"
+    if failure.cause == "node joined":
+        return (f"live recovery: a node joined, the world grew in place from {before} to "
+                f"{after} workers (generation {generation}) {state}")
+    if failure.lost_nodes:
+        return (f"live recovery: {failure.lost_nodes} node(s) lost (ranks {ranks}), the "
+                f"world re-formed in place from {before} to {after} workers (generation "
+                f"{generation}) {state}")
+    return (f"live recovery: rank {ranks} started again, the world of {after} re-formed in "
+            f"place (generation {generation}) {state}")

@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train.config import JobConfig, parse_job_args
 from elastic_train.determinism import make_deterministic
-from elastic_train.distributed import Group, abandoned_groups, destroy_group, init_group
+from elastic_train.distributed import abandoned_groups, destroy_group, init_group
 from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
 from elastic_train.live_recovery import LiveWorld
@@ -58,32 +58,21 @@ def _record_for_agent(exc: BaseException) -> None:
         pass
 
 
-LIVE_NEEDS_OUR_AGENT = ("live recovery needs elastic-train run on one node (torchrun's agent "
-                        "restarts every worker on any failure): this job restarts from its "
-                        "newest checkpoint instead (--recovery restart says so and silences "
-                        "this line)")
-
-
-JOIN_CONNECT_SECONDS = 15.0
-"""Bound on forming a re-formed world's process group: a member lost between the join's
-barrier and the group costs this long, not the whole --collective-timeout."""
+LIVE_NEEDS_OUR_AGENT = ("live recovery needs elastic-train run (torchrun's agent restarts "
+                        "every worker on any failure): this job restarts from its newest "
+                        "checkpoint instead (--recovery restart says so and silences this "
+                        "line)")
 
 
 def _live_world(config: JobConfig, env: WorkerEnv) -> LiveWorld | None:
     """This worker's part in live recovery, when the job asks for it and its agent can."""
-    if config.distributed.recovery != "live" or not env.under_torchrun or env.world_size == 1:
+    if config.distributed.recovery != "live" or not env.under_torchrun:
         return None
     if not env.live_recovery or not env.live_store:
-        if env.rank == 0 and env.restart_count == 0:
+        if env.world_size > 1 and env.rank == 0 and env.restart_count == 0:
             print(f"elastic_train: {LIVE_NEEDS_OUR_AGENT}", file=sys.stderr, flush=True)
         return None
-    d = config.distributed
-
-    def form(generation: int) -> Group:
-        return init_group(env, d.backend, d.timeout_seconds, generation=generation,
-                          connect_seconds=JOIN_CONNECT_SECONDS)
-
-    return LiveWorld(env, env.live_generation, d.timeout_seconds, form)
+    return LiveWorld(env, config.distributed.backend, config.distributed.timeout_seconds)
 
 
 @record
@@ -94,12 +83,15 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
     torchelastic's ``@record`` so that the agent (and ``elastic-train run``) can name it.
     """
     env = read_worker_env()
-    _name_process(env.rank)
-    _setup_logging(env.rank)
     endpoint: WorkerEndpoint | None = None
     linger = 0.0
     try:
         config = parse_job_args(sys.argv[1:] if argv is None else argv)
+        live = _live_world(config, env)
+        if live is not None:  # this worker's place comes from its agent's plan
+            env = live.env
+        _name_process(env.rank)
+        _setup_logging(env.rank)
         if config.train.deterministic:
             make_deterministic()
         if env.rank == 0:
@@ -108,8 +100,9 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                         config.train.seed, config.run_dir))
         group_began = time.time()
-        live = _live_world(config, env)
-        if live is not None and env.live_generation:  # started again into a running world
+        if live is not None and live.arriving:  # joins once its model is built (trainer)
+            group = live.provisional_group()
+        elif live is not None:
             group = live.join()
         else:
             group = init_group(env, config.distributed.backend,

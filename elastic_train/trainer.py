@@ -206,6 +206,7 @@ class Trainer:
             "time": round(time.time(), 6), "step": step, "epoch": epoch,
             "offset": offset,
             "world_size": self.group.world_size, "restart": self.env.restart_count,
+            "generation": self.runtime.live.generation if self.runtime.live else 0,
             "rank": self.group.rank, "indices": indices.tolist()}) + "\n")
 
     # ---- the run -------------------------------------------------------------------------
@@ -223,24 +224,27 @@ class Trainer:
         cfg = self.config.train
         self._build()
         restored = None
-        if self.runtime.live is not None and self.env.live_generation:
-            # Started again into a running world: the state comes from a survivor.
-            self._rejoin(lambda: self.runtime.arrive(
-                self._stateful(), self._marks.get("process_start"),
-                self._marks.get("group_ready")), has_state=False)
+        live = self.runtime.live
+        arriving = live is not None and live.arriving
+        if arriving:
+            assert live is not None
+            # Started into a running world: built, it joins, and a member sends the state.
+            live.ready_to_join()
+            self._rejoin(lambda: self.runtime.arrive(self._stateful(),
+                                                     self._marks.get("process_start")),
+                         has_state=False)
         else:
             self.runtime.start(total_steps=cfg.steps, threads=torch.get_num_threads(),
                                config=self.config.to_dict())
             restored = self.runtime.restore(self._stateful())
-        if self.runtime.live is not None:
-            self.runtime.live.ready()
-            self.runtime.live.start()
+        if live is not None:
+            live.ready()
+            live.start()
         self._marks["restored"] = time.time()
         self._plan_batch(restored)
-        arrived = self.runtime.live is not None and bool(self.env.live_generation)
-        if not self.env.live_generation:
+        if not arriving:
             self._announce(restored)
-        ddp: DistributedDataParallel | None = self._wrap_model(in_sync=arrived)
+        ddp: DistributedDataParallel | None = self._wrap_model(in_sync=arriving)
         self._marks["ddp_ready"] = time.time()
         self.watchdog = self._make_watchdog().start()
         # A resume at the last step runs no step at all.
@@ -250,20 +254,20 @@ class Trainer:
             try:
                 assert ddp is not None
                 loss, vote = self._step(ddp)
-            except Exception:
+            except Exception as exc:
                 failed_at = time.time()
-                if self.runtime.live is None or self.runtime.live.announced() is None:
+                if live is None:
+                    raise
+                if distributed.is_collective_failure(exc):
+                    live.report_failed_collective()  # a peer may be gone: its agent finds out
+                if live.announced() is None:
                     raise
                 lost_peer = True
             else:
                 lost_peer = False
             if lost_peer:
                 assert ddp is not None
-                # The old world's DDP must not reduce gradients any more: its hooks on the
-                # parameters go now, not when a garbage collection finds it.
-                ddp.reducer._remove_autograd_hooks()
-                ddp = None
-                ddp = self._recover_in_place(failed_at)
+                ddp = self._recover_in_place(ddp, failed_at)
                 continue
             step_seconds = time.monotonic() - began
             if first_step:  # the start-up timeline, for recovery measurements
@@ -285,6 +289,9 @@ class Trainer:
                 # their copy overlaps the next forward and backward.
                 self.runtime.save_if_due(self.state.step, self._stateful(),
                                          overlap_with=self.optimizer)
+                if vote.reform:  # a node is ready to join: re-form at this step boundary
+                    assert ddp is not None
+                    ddp = self._recover_in_place(ddp, time.time(), at_boundary=True)
         self.watchdog.stop()  # the final save may take long: not a stalled step
         self.runtime.end(self.state.step, self._stateful(), vote)
         return self._finish()
@@ -305,32 +312,41 @@ class Trainer:
         ddp.train()
         return ddp
 
-    def _recover_in_place(self, failed_at: float) -> DistributedDataParallel:
-        """A worker was lost and the agent started it again: re-form the world with it,
-        keeping this process and its state; the step in flight is redone unless some
-        survivor finished it (then everyone takes that survivor's state)."""
+    def _recover_in_place(self, ddp: DistributedDataParallel, failed_at: float, *,
+                          at_boundary: bool = False) -> DistributedDataParallel:
+        """Re-form the world with the workers of the new generation, keeping this process
+        and its state. After a lost peer (``at_boundary`` False) the step in flight is
+        redone unless some member finished it (then everyone takes that member's state);
+        at a step boundary (a node joins) the step is committed and nothing is redone."""
+        # The old world's DDP must not reduce gradients any more: its hooks on the
+        # parameters go now, not when a garbage collection finds it.
+        ddp.reducer._remove_autograd_hooks()
         self.watchdog.stop()
-        attempted = self.state.step + 1
+        world_before = self.group.world_size
+        attempted = None if at_boundary else self.state.step + 1
         if self._in_flight is not None:  # the step did not commit here: go back before it
             self.sampler.load_state_dict(self._in_flight)
             self._in_flight = None
         self.optimizer.zero_grad(set_to_none=True)
-        rejoined = self._rejoin(lambda: self.runtime.rejoin(
+        self._rejoin(lambda: self.runtime.rejoin(
             self._stateful(), step=self.state.step, attempted=attempted, failed_at=failed_at))
-        self.group = rejoined.group
-        ddp = self._wrap_model(in_sync=True)
+        if self.group.world_size != world_before:  # the batch policy of the new world
+            self._plan_batch(None)
+        new_ddp = self._wrap_model(in_sync=True)
         self.watchdog = self._make_watchdog().start()
-        return ddp
+        return new_ddp
 
     def _rejoin(self, first: Callable[[], Rejoined], has_state: bool = True) -> Rejoined:
         """Re-form the world (``first``), again as often as a member is lost meanwhile (a
-        newer generation announced while the group forms or the state is sent)."""
+        newer generation announced while the group forms or the state is sent); this
+        worker's group and place follow."""
         live = self.runtime.live
         assert live is not None
         attempt = first
         while True:
             try:
-                return attempt()
+                rejoined = attempt()
+                break
             except LiveRecoveryError:
                 raise
             except Exception:
@@ -338,6 +354,11 @@ class Trainer:
                     raise
             attempt = functools.partial(self.runtime.rejoin, self._stateful(),
                                         step=self.state.step if has_state else None)
+        if self.group.rank != rejoined.group.rank and self._samples_file is not None:
+            self._samples_file.close()  # each rank's samples go to its own file
+            self._samples_file = None
+        self.group, self.env = rejoined.group, self.runtime.env
+        return rejoined
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
         timeout = self.config.distributed.step_timeout_seconds

@@ -1,0 +1,150 @@
+"""Live recovery across nodes: how agents reach each other's stores.
+
+Each agent keeps a TCPStore for its workers (live_agent.py); its HOST:PORT is the agent's
+id in a plan (live_plan.py). Agents use these stores for everything a re-formation needs
+quickly, and the rendezvous store only to commit a plan:
+
+- a coordinator tells every member of the generation before that a re-formation started
+  (``NOTICE_KEY`` in each one's store); a member whose store refuses the connection, or
+  does not answer within ``PROBE_SECONDS``, is taken for lost at once (its agent died), so
+  nobody waits out a heartbeat or a lease for it;
+- members put their ``Arrival`` in the coordinator's store, and read the plan from it.
+
+Nothing here is polled in steady state: an agent reads only its own store (local), and
+peers only during a re-formation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+PREFIX = "elastic_train/agents"
+NOTICE_KEY = f"{PREFIX}/notice"
+PROBE_SECONDS = 2.0
+"""How long a coordinator waits for a member's store to accept a connection: an agent that
+died refuses at once; a host that is gone does not answer."""
+
+
+def arrival_key(generation: int, agent: str) -> str:
+    return f"{PREFIX}/reform/{generation}/arrival/{agent}"
+
+
+def plan_key(generation: int) -> str:
+    return f"{PREFIX}/reform/{generation}/plan"
+
+
+RESTART = b"restart"
+"""What a coordinator publishes instead of a plan when no member holds the state."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A coordinator's call to re-form as ``generation``."""
+
+    generation: int
+    coordinator: str
+
+    def encode(self) -> str:
+        return json.dumps({"generation": self.generation, "coordinator": self.coordinator})
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> Notice:
+        raw = json.loads(data)
+        return cls(int(raw["generation"]), str(raw["coordinator"]))
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def reachable(address: str, timeout: float = PROBE_SECONDS) -> bool:
+    """Whether something accepts TCP connections at HOST:PORT within ``timeout``."""
+    try:
+        with socket.create_connection(split_address(address), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class PeerStores:
+    """Clients of other agents' stores, one per address, made on first use."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._clients: dict[str, dist.Store] = {}
+        self._lock = threading.Lock()
+
+    def client(self, address: str) -> dist.Store:
+        """A client of the store at ``address``; raises ``ConnectionError`` when nothing
+        answers there (checked first: torch's client retries a refused connection until
+        its timeout)."""
+        with self._lock:
+            found = self._clients.get(address)
+        if found is not None:
+            return found
+        if not reachable(address):
+            raise ConnectionError(f"no agent answers at {address}")
+        host, port = split_address(address)
+        made = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=self.timeout))
+        with self._lock:
+            self._clients.setdefault(address, made)
+            return self._clients[address]
+
+    def forget(self, address: str) -> None:
+        with self._lock:
+            self._clients.pop(address, None)
+
+    def tell(self, address: str, key: str, value: str | bytes) -> bool:
+        """Set ``key`` in the store at ``address``; False when that agent is gone."""
+        try:
+            self.client(address).set(key, value)
+            return True
+        except (ConnectionError, RuntimeError, OSError):
+            self.forget(address)
+            return False
+
+    def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes) -> set[str]:
+        """Set ``key`` in every store at once; the addresses where it was set."""
+        told: set[str] = set()
+        lock = threading.Lock()
+
+        def one(address: str) -> None:
+            if self.tell(address, key, value):
+                with lock:
+                    told.add(address)
+
+        threads = [threading.Thread(target=one, args=(a,), daemon=True) for a in addresses]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(PROBE_SECONDS + self.timeout)
+        return told
+
+    def read(self, address: str, key: str, timeout: float) -> bytes | None:
+        """The value of ``key`` at ``address`` once it is set (None: not within ``timeout``,
+        or that agent is gone)."""
+        try:
+            client = self.client(address)
+            client.wait([key], timedelta(seconds=timeout))
+            return client.get(key)
+        except (ConnectionError, RuntimeError, OSError):
+            self.forget(address)
+            return None
+
+
+def local_value(store: dist.Store, key: str) -> bytes | None:
+    """``key`` in a store of this process' own (None when absent or the store is gone)."""
+    with contextlib.suppress(RuntimeError, OSError):
+        if store.check([key]):
+            return store.get(key)
+    return None
