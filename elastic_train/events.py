@@ -133,7 +133,10 @@ def _parse(line: bytes) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class Incarnation:
-    """What the log says about the incarnation before this one, within the same launch."""
+    """What the log says about the incarnation before this one, within the same launch.
+
+    ``world_size``: the world it ended at (its last step's; a world re-formed in place may
+    have changed it since its start)."""
 
     world_size: int | None
     restart: int
@@ -168,7 +171,8 @@ def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
         if kind == Event.START:
             if record.get("run_id") != run_id:
                 return None
-            return Incarnation(record.get("world_size"), int(record.get("restart", 0)),
+            world = last_step.get("world_size") if last_step else None
+            return Incarnation(world or record.get("world_size"), int(record.get("restart", 0)),
                                last_step.get("time") if last_step else None,
                                int(last_step["step"]) if last_step else None, last_seen,
                                stopped)

@@ -87,6 +87,9 @@ for calls every --monitor-interval; one busy in a rendezvous round comes later).
 FOLLOW_SECONDS = ARRIVE_SECONDS + 5.0
 """How long a member waits for its coordinator's plan before it coordinates itself."""
 REFORM_ATTEMPTS = 3
+MIXED_ROUND_SECONDS = 5.0
+"""How long group rank 0 waits for the other agents of a round to say what they bring
+before it takes the round for one with plain torchrun agents in it."""
 
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 LIVE_NCCL_ERROR_HANDLING = "2"
@@ -259,23 +262,38 @@ class LiveRecoveryAgent(LocalElasticAgent):
         self._ensure_node_store(worker_group)
         self._round_agents = worker_group.group_world_size
         plan, raw = self._agree_on_round(worker_group)
+        if plan is None:  # a round with plain torchrun agents in it
+            if isinstance(self._pcontext, PerWorkerProcesses):
+                self._pcontext.close()
+            self._plan = None
+            return super()._start_workers(worker_group)
         return self._apply_round(worker_group, plan, raw)
 
-    def _agree_on_round(self, worker_group: WorkerGroup) -> tuple[Plan, bytes]:
+    def _agree_on_round(self, worker_group: WorkerGroup) -> tuple[Plan | None, bytes]:
         """Every agent of the round says what it brings; group rank 0 decides and commits
-        (one write and one read per agent, one multi-get for rank 0)."""
+        (one write and one read per agent, one multi-get for rank 0). (None, b"") when some
+        agent of the round does not take part (plain torchrun joined the job): then this
+        round starts the torch way."""
         arrival = self._arrival(worker_group, self._holding())
         store = self._commit_store(worker_group)
         if store is None:
             plan = plan_round([arrival], self.address, detected_at=time.time())
             return plan, plan.encode()
-        store.set(f"{ROUND_PREFIX}/arrival/{worker_group.group_rank}", arrival.encode())
-        if worker_group.group_rank == 0:
-            raws = store.multi_get([f"{ROUND_PREFIX}/arrival/{r}"
-                                    for r in range(worker_group.group_world_size)])
-            plan = plan_round([Arrival.decode(r) for r in raws], self.address,
-                              detected_at=time.time())
-            store.compare_set(COMMITTED_KEY, "", plan.encode())
+        keys = [f"{ROUND_PREFIX}/arrival/{r}" for r in range(worker_group.group_world_size)]
+        store.set(keys[worker_group.group_rank], arrival.encode())
+        try:
+            if worker_group.group_rank == 0:
+                store.wait(keys, timedelta(seconds=MIXED_ROUND_SECONDS))
+                plan = plan_round([Arrival.decode(r) for r in store.multi_get(keys)],
+                                  self.address, detected_at=time.time())
+                store.compare_set(COMMITTED_KEY, "", plan.encode())
+            else:
+                store.wait([keys[0]], timedelta(seconds=MIXED_ROUND_SECONDS))
+        except (RuntimeError, TimeoutError):  # torch's stores time out with DistStoreError
+            log.warning("an agent of this rendezvous round is not elastic-train run's (plain "
+                        "torchrun?): this round starts every worker the torch way, from the "
+                        "newest checkpoint")
+            return None, b""
         raw = store.get(COMMITTED_KEY)
         return Plan.decode(raw), raw
 

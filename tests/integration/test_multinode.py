@@ -1,20 +1,26 @@
-"""Several torchrun agents on one machine, each a "node": lose one whole node, add one back.
+"""Several agents on one machine, each a "node": lose one whole node, add one back.
 
 Two agents (``--nnodes 1:2``, one worker each) form a world of 2; one agent is SIGKILLed
-with its worker, as losing the machine would; the survivor re-rendezvouses and continues
-at world size 1 from the newest checkpoint; a new agent starts and the job grows back to
-2 and finishes. For every backend the test checks the event log (resize 2 -> 1 -> 2, a
-rendezvous event with its duration per world), that every epoch used each sample exactly
-once in the sampler's order despite both resizes, and the global batch before and after
-each resize. The nodes run the README's commands (endpoint and job options replaced).
+with its worker, as losing the machine would; the survivor goes on at world size 1; a new
+agent starts and the job grows back to 2 and finishes. For every backend the test checks
+the event log (resize 2 -> 1 -> 2), that every epoch used each sample exactly once in the
+sampler's order despite both resizes (a step redone counts once: its last attempt), and
+the global batch before and after each resize. The nodes run the README's commands
+(endpoint and job options replaced).
 
-- ``etcd-v3`` (our backend, on an etcd without the v2 API): ``elastic-train run`` nodes,
-  the joining node plain ``torchrun``; the node that dies hosts rank 0, so the survivor
-  takes over the event log.
-- stock ``etcd`` (torch's legacy v2 backend), the node hosting rank 0 dies.
-- ``c10d``, with ``--batch-policy scale-lr``. Its store lives in one agent (node-a, by
-  ``is_host=true``): killing that agent ends the job (the others lose the rendezvous), so
-  the survivable direction is tested — another agent dies. See the README.
+- ``etcd-v3`` (our backend, on an etcd without the v2 API): ``elastic-train run`` nodes;
+  the node that dies hosts rank 0, so the survivor takes over the event log and claims a
+  new writer epoch. The survivor re-forms the world in place (live recovery: its worker
+  keeps its process, at most one step is redone); the node that joins runs plain
+  ``torchrun``, whose workers cannot join a running world: that round takes torch's
+  restart path (every worker from the newest checkpoint), the fallback under test.
+- ``c10d``, with ``--batch-policy scale-lr``: both resizes in place, the survivor's
+  worker never restarts, no checkpoint is loaded. Its store lives in one agent (node-a,
+  by ``is_host=true``): killing that agent ends the job (the others lose the rendezvous),
+  so the survivable direction is tested — another agent dies. See the README.
+- ``c10d`` with ``--recovery restart`` (extended): today's restart path across nodes.
+- stock ``etcd`` (torch's legacy v2 backend, extended), the node hosting rank 0 dies:
+  live recovery across nodes needs c10d or etcd-v3, so this job restarts.
 - ``etcd-v2`` (torch's dynamic backend on v2) forms a world of two under plain torchrun.
 """
 
@@ -68,12 +74,14 @@ FAST_V3 = "last_call_timeout=1,lease_ttl=3,join_timeout=60"
 
 @dataclass
 class Resize:
-    """What one node-loss-and-join scenario measured (seconds)."""
+    """What one node-loss-and-join scenario measured (seconds), and the survivor's worker
+    processes at world 2, after the shrink and at the end of the grow."""
 
     to_first_step: float
     shrink: float
     grow: float
     rendezvous: list[Any]
+    survivor_pids: list[set[int]]
 
 
 def node_hosting_rank0(*jobs: harness.Job) -> harness.Job:
@@ -112,12 +120,15 @@ def lose_a_node_and_add_one(run_dir: Path, start_node: Callable[[str], harness.J
         first.wait_for_event(step_at(2, min_step=12), TIMEOUT)
         dead = node_hosting_rank0(first, second) if victim == "rank0" else second
         survivor = first if dead is second else second
+        pids = [set(harness.workers_of(survivor.proc.pid).values())]
         killed_at = dead.kill_node()
         shrunk = survivor.wait_for_event(step_at(1, after=killed_at), TIMEOUT)
+        pids.append(set(harness.workers_of(survivor.proc.pid).values()))
         joined_at = time.time()
         third = start_node("node-c")
         nodes.append(third)
         grown = survivor.wait_for_event(step_at(2, after=joined_at), TIMEOUT)
+        pids.append(set(harness.workers_of(survivor.proc.pid).values()))
         assert survivor.wait(TIMEOUT) == 0, survivor.report()
         assert third.wait(TIMEOUT) == 0, third.report()
     finally:
@@ -126,24 +137,29 @@ def lose_a_node_and_add_one(run_dir: Path, start_node: Callable[[str], harness.J
     events = survivor.events()
     return Resize(to_first_step=first_step["time"] - launched,
                   shrink=shrunk["time"] - killed_at, grow=grown["time"] - joined_at,
-                  rendezvous=[e for e in events if e["event"] == "rendezvous"])
+                  rendezvous=[e for e in events if e["event"] == "rendezvous"],
+                  survivor_pids=pids)
 
 
 def effective_steps(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """{step: {epoch, world_size, indices}} of the incarnation whose step made the weights.
+    """{step: {epoch, world_size, indices}} of the attempt whose step made the weights.
 
-    A step may have been done by several incarnations (redone after a resume from an
-    older checkpoint); the newest counts. Incarnations are told apart by rank 0's start
-    events: a worker's sample records fall between its incarnation's start and the next
-    (a new world starts only after every worker of the old one is gone).
+    A step may have been done several times: by several incarnations (redone after a
+    resume from an older checkpoint), or by several generations of one world re-formed in
+    place (the step in flight when a node was lost); the newest counts. Incarnations are
+    told apart by rank 0's start events: a worker's sample records fall between its
+    incarnation's start and the next (a new world starts only after every worker of the
+    old one is gone); generations by the record's own ``generation``.
     """
     events = list(read_events(run_dir / EVENTS_FILE))
     starts = sorted(e["time"] for e in events if e["event"] == "start")
-    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    by_step: dict[int, dict[tuple[int, int], list[dict[str, Any]]]] = \
+        defaultdict(lambda: defaultdict(list))
     for path in (run_dir / "samples").glob("rank-*.jsonl"):
         for line in path.read_text().splitlines():
             record = json.loads(line)
-            by_step[record["step"]][bisect_right(starts, record["time"])].append(record)
+            attempt = (bisect_right(starts, record["time"]), record.get("generation", 0))
+            by_step[record["step"]][attempt].append(record)
     steps = {}
     for step, incarnations in by_step.items():
         records = sorted(incarnations[max(incarnations)], key=lambda r: r["rank"])
@@ -228,6 +244,20 @@ def test_etcd_v3_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v3: Et
     assert {e["global_batch"] for e in events if e["event"] == "step"} == {BATCH}
     # The agent's timing (elastic-train run) or the etcd-v3 handler's (torchrun).
     assert all(r["seconds"] > 0 for r in measured.rendezvous)
+    # The loss of the node: in place. The survivor's worker kept its process, redid at
+    # most the step in flight, and (the writer was lost) claimed a new writer epoch from
+    # the step the world went on from.
+    shrink = first_recovery(events, "node lost")
+    assert shrink["kind"] == "live" and shrink["lost_nodes"] == 1, shrink
+    assert shrink["steps_redone"] <= 1 and shrink["world_size"] == 1, shrink
+    assert measured.survivor_pids[1] == measured.survivor_pids[0], measured.survivor_pids
+    claims = [json.loads(p.read_text()) for p in sorted((run_dir / "writers").iterdir())]
+    assert claims[1]["resumed_from"] == shrink["step"], claims
+    # The join of a plain torchrun node: torch's restart path, from the newest checkpoint.
+    after = [e for e in events if e["time"] > shrink["time"]]
+    assert [e["event"] for e in after].count("start") >= 1, after
+    assert any(e["event"] == "checkpoint_loaded" for e in after)
+    assert measured.survivor_pids[2].isdisjoint(measured.survivor_pids[1])
     report("etcd-v3", measured)
 
 
@@ -288,25 +318,63 @@ def test_stock_etcd_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v2:
     report("etcd (stock)", measured)
 
 
-def test_c10d_loses_a_node_and_grows_back_scaling_the_lr(tmp_path: Path,
-                                                          report: Any) -> None:
-    """c10d with the README's command, the store in node-a: node-b dies (the survivable
-    direction). ``--batch-policy scale-lr`` keeps the per-rank batch of the first world
-    (16 samples when it had 2 ranks): the global batch goes 32 -> 16 -> 32 and the
-    learning rate follows it."""
+def first_recovery(events: list[dict[str, Any]], cause: str) -> dict[str, Any]:
+    return next(e for e in events if e["event"] == "recovery" and e.get("cause") == cause)
+
+
+def c10d_node(tmp_path: Path, port: int, job: list[str]) -> Callable[[str], harness.Job]:
+    """Nodes of the README's c10d command: node-a hosts the store (so a and b may start
+    together); the others connect."""
     command = harness.readme_command("elastic-train run", "--rdzv-backend c10d")
     assert "--batch-policy scale-lr" in command
-    port = free_port()
-    run_dir = tmp_path / "run"
 
     def start(name: str) -> harness.Job:
-        # node-a hosts the store (so a and b may start together); the others connect.
         conf = f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
-        return readme_node(command, run_dir, name, {"127.0.0.1:29400": f"127.0.0.1:{port}"},
-                           tmp_path.name, conf, JOB)
+        return readme_node(command, tmp_path / "run", name,
+                           {"127.0.0.1:29400": f"127.0.0.1:{port}"}, tmp_path.name, conf, job)
+    return start
 
-    measured = lose_a_node_and_add_one(run_dir, start, victim="store-client")
+
+def test_c10d_loses_a_node_and_grows_back_in_place_scaling_the_lr(tmp_path: Path,
+                                                                  report: Any) -> None:
+    """c10d with the README's command, the store in node-a: node-b dies (the survivable
+    direction). Both resizes happen in place: the survivor's worker keeps its process, no
+    checkpoint is loaded, the loss redoes at most the step in flight and the join none.
+    ``--batch-policy scale-lr`` keeps the per-rank batch of the first world (16 samples
+    when it had 2 ranks): the global batch goes 32 -> 16 -> 32 and the learning rate
+    follows it."""
+    run_dir = tmp_path / "run"
+    measured = lose_a_node_and_add_one(run_dir, c10d_node(tmp_path, free_port(), JOB),
+                                       victim="store-client")
     events = check_the_log(run_dir)
+    assert_scaled_lr(events)
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names, names
+    shrink, grow = first_recovery(events, "node lost"), first_recovery(events, "node joined")
+    assert (shrink["kind"], shrink["steps_redone"] <= 1, grow["kind"], grow["steps_redone"]) \
+        == ("live", True, "live", 0), (shrink, grow)
+    assert grow["bytes"] > 0 and grow["previous_world_size"] == 1
+    assert measured.survivor_pids[0] == measured.survivor_pids[1] == measured.survivor_pids[2]
+    report("c10d", measured)
+
+
+@pytest.mark.extended
+def test_c10d_restart_path_loses_a_node_and_grows_back(tmp_path: Path, report: Any) -> None:
+    """The same with ``--recovery restart``: every resize restarts every worker from the
+    newest checkpoint (today's torchrun behaviour, and the fallback of live recovery)."""
+    run_dir = tmp_path / "run"
+    measured = lose_a_node_and_add_one(
+        run_dir, c10d_node(tmp_path, free_port(), [*JOB, "--recovery", "restart"]),
+        victim="store-client")
+    events = check_the_log(run_dir)
+    assert_scaled_lr(events)
+    assert [e["kind"] for e in events if e["event"] == "recovery"] == ["restart", "restart"]
+    assert measured.survivor_pids[1].isdisjoint(measured.survivor_pids[0])
+    report("c10d, --recovery restart", measured)
+
+
+def assert_scaled_lr(events: list[dict[str, Any]]) -> None:
+    """The global batch and the learning rate of --batch-policy scale-lr at each world."""
     plans = [p for p in events if p["event"] == "batch_plan"]
     first_world = plans[0]["world_size"]  # W0: each rank keeps BATCH / W0 samples
     per_world = {w: BATCH * w // first_world for w in (1, 2)}
@@ -325,8 +393,6 @@ def test_c10d_loses_a_node_and_grows_back_scaling_the_lr(tmp_path: Path,
     for p in plans:  # the LR of the first step of each world, after the restore
         expected = 3e-3 * lr_factor(p["step"], 20, STEPS, "cosine") * p["lr_scale"]
         assert p["lr"] == pytest.approx(expected, rel=1e-9), p
-    assert all(r["seconds"] > 0 for r in measured.rendezvous)
-    report("c10d", measured)
 
 
 def test_stock_etcd_v2_forms_a_two_node_world(tmp_path: Path, etcd_v2: EtcdServer) -> None:
