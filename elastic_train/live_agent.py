@@ -61,6 +61,7 @@ from elastic_train.live_peers import (
     Notice,
     PeerStores,
     arrival_key,
+    commit_plan,
     local_value,
     plan_key,
 )
@@ -286,7 +287,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
                 store.wait(keys, timedelta(seconds=MIXED_ROUND_SECONDS))
                 plan = plan_round([Arrival.decode(r) for r in store.multi_get(keys)],
                                   self.address, detected_at=time.time())
-                store.compare_set(COMMITTED_KEY, "", plan.encode())
+                commit_plan(store, COMMITTED_KEY, b"", plan.encode())
             else:
                 store.wait([keys[0]], timedelta(seconds=MIXED_ROUND_SECONDS))
         except (RuntimeError, TimeoutError):  # torch's stores time out with DistStoreError
@@ -465,7 +466,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         store = self._commit_store(worker_group)
         if store is None:
             return raw
-        return bytes(store.compare_set(COMMITTED_KEY, self._plan_raw, raw))
+        return commit_plan(store, COMMITTED_KEY, self._plan_raw, raw)
 
     def _follow(self, coordinator: str, generation: int, arrival: Arrival
                 ) -> tuple[Plan, bytes] | bytes | None:

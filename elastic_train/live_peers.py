@@ -148,3 +148,12 @@ def local_value(store: dist.Store, key: str) -> bytes | None:
         if store.check([key]):
             return store.get(key)
     return None
+
+
+def commit_plan(store: dist.Store, key: str, base: bytes, plan: bytes) -> bytes:
+    """Swap the plan at ``key`` from ``base`` (the plan it replaces, exactly as committed;
+    empty: none yet) to ``plan``; the plan committed now. Of two coordinators that decided
+    from the same base only the first commits; a coordinator that decided from a stale
+    base (a partitioned minority, a world that moved on) commits nothing and learns the
+    newer plan."""
+    return bytes(store.compare_set(key, base, plan))

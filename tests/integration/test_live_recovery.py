@@ -197,3 +197,48 @@ def test_a_stopped_worker_is_named_killed_and_replaced_in_place(
     assert names.count("start") == 1 and "checkpoint_loaded" not in names
     assert "the agent starts it again and the world re-forms in place" in job.output()
     assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
+
+
+def test_workers_lost_on_either_of_two_nodes_are_replaced_in_place_bitwise_exact(
+        tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
+    """Two agents (c10d, one worker each), two kills in a row: rank 1 mid-interval, then
+    rank 0 (on the other node, the checkpoint writer) right after a checkpoint step. Each
+    time the dead worker's agent starts it again and calls the other agent; the other
+    node's worker keeps its process; no checkpoint is loaded, at most one step is redone,
+    and the final weights equal the one-node reference's, bit for bit."""
+    run_dir = tmp_path / "run"
+    port = harness.free_ports()
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={tmp_path.name}"]
+    nodes = [harness.node(run_dir, name, [*rdzv, f"--rdzv-conf=is_host={host}"],
+                          [*JOB, "--max-restarts", "3"], launcher="elastic-train", nnodes="2")
+             for name, host in (("node-a", "true"), ("node-b", "false"))]
+    kept: list[bool] = []
+    try:
+        nodes[0].wait_for_event(_step(7), TIMEOUT)
+        for rank, after in ((1, 7), (0, 20)):
+            nodes[0].wait_for_event(_step(after), TIMEOUT)
+            (victim,) = [n for n in nodes if rank in harness.workers_of(n.proc.pid)]
+            (other,) = [n for n in nodes if n is not victim]
+            others = set(harness.workers_of(other.proc.pid).values())
+            old = victim.kill_worker(rank)
+            _new_pid(victim, rank, old)
+            nodes[0].wait_for_event(lambda e, s=after: e["event"] == "recovery"
+                                    and e["step"] >= s, TIMEOUT)
+            kept.append(set(harness.workers_of(other.proc.pid).values()) == others)
+        for node in nodes:
+            assert node.wait(TIMEOUT) == 0, node.report()
+    finally:
+        for node in nodes:
+            node.stop()
+    assert kept == [True, True], [n.report() for n in nodes]
+    events = nodes[0].events()
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names
+    recoveries = [e for e in events if e["event"] == "recovery"]
+    assert [(e["kind"], e["cause"], e["failed_ranks"]) for e in recoveries] == [
+        ("live", "worker lost", [1]), ("live", "worker lost", [0])], recoveries
+    assert all(e["steps_redone"] <= 1 and e["bytes"] > 0 for e in recoveries), recoveries
+    assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
+    for epoch, seen in _samples_per_epoch(run_dir).items():
+        assert len(seen) == len(set(seen)), f"epoch {epoch} repeats samples"

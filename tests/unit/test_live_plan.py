@@ -1,0 +1,135 @@
+"""Live recovery across nodes, the pure and store-level parts: who is in a generation
+(live_plan.py), and how agents call each other and commit plans (live_peers.py), against
+real TCPStores. The agents themselves, with real kills, are in
+tests/integration/test_multinode.py and test_live_recovery.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastic_train.live_peers import (
+    PeerStores,
+    commit_plan,
+    local_value,
+    reachable,
+)
+from elastic_train.live_plan import FRESH, LIVE, Arrival, Member, Plan, plan_reformation, plan_round
+from elastic_train.live_recovery import Announcement
+
+A, B, C = "host-a:1", "host-b:2", "host-c:3"
+
+
+def world_of(*members: tuple[str, int], generation: int = 4) -> Plan:
+    return Plan(generation, LIVE, tuple(Member(a, n) for a, n in members), A, "start",
+                stepping={a: tuple(range(n)) for a, n in members})
+
+
+def holder(agent: str, workers: int, plan: Plan, alive: tuple[int, ...] | None = None
+           ) -> Arrival:
+    first = plan.first_rank(agent)
+    alive = tuple(range(workers)) if alive is None else alive
+    return Arrival(agent, workers, alive, first, plan.generation, plan.world_size,
+                   writer=first == 0 and 0 in alive)
+
+
+def test_a_round_without_anyone_holding_the_state_starts_fresh_in_the_rounds_order() -> None:
+    plan = plan_round([Arrival(B, 2), Arrival(A, 1)], group_store=B)
+    assert (plan.kind, plan.generation, plan.agents, plan.world_size) == (FRESH, 0, (B, A), 3)
+    assert plan.ranks(B) == {0: 0, 1: 1} and plan.ranks(A) == {0: 2}
+    assert plan.started == 3 and plan.keeps(B) == ()
+
+
+def test_a_joining_node_follows_the_members_who_keep_their_ranks_and_their_state() -> None:
+    before = world_of((A, 2), (B, 2))
+    # C joined the rendezvous before them (its group rank is lower): ranks stay put anyway.
+    plan = plan_round([Arrival(C, 2), holder(B, 2, before), holder(A, 2, before)], A)
+    assert plan.kind == LIVE and plan.cause == "node joined"
+    assert plan.agents == (A, B, C) and plan.ranks(C) == {0: 4, 1: 5}
+    assert plan.generation == before.generation + 1 and plan.started == 2
+    assert plan.keeps(A) == (0, 1) and plan.keeps(C) == ()
+    assert not plan.claim_epoch  # the writer (rank 0 on A) is still there
+    assert plan.previous_world_size == 4
+
+
+def test_a_round_of_the_same_members_changes_nothing() -> None:
+    before = world_of((A, 1), (B, 1))
+    plan = plan_round([holder(A, 1, before), holder(B, 1, before)], B)
+    assert plan.same_world(before) and plan.cause == "new round"
+    assert not plan.same_world(world_of((A, 1)))
+
+
+def test_a_lost_node_leaves_the_world_and_takes_the_writer_with_it() -> None:
+    before = world_of((A, 2), (B, 1), (C, 1))
+    plan = plan_reformation(before, {B: holder(B, 1, before), C: holder(C, 1, before)}, B,
+                            detected_at=12.5)
+    assert plan is not None
+    assert (plan.cause, plan.lost, plan.failed_ranks) == ("node lost", (A,), (0, 1))
+    assert plan.agents == (B, C) and plan.world_size == 2 and plan.ranks(B) == {0: 0}
+    assert plan.claim_epoch and plan.started == 0 and plan.previous_world_size == 4
+    assert plan.detected_at == 12.5 and plan.group_store == B
+
+
+def test_a_lost_worker_is_started_again_at_its_rank() -> None:
+    before = world_of((A, 2), (B, 2))
+    plan = plan_reformation(before, {A: holder(A, 2, before),
+                                     B: holder(B, 2, before, alive=(0,))}, A, generation=9)
+    assert plan is not None and plan.generation == 9
+    assert (plan.cause, plan.failed_ranks, plan.started) == ("worker lost", (3,), 1)
+    assert plan.ranks(B) == {0: 2, 1: 3} and plan.keeps(B) == (0,)
+    assert not plan.claim_epoch
+
+
+def test_no_holder_left_means_the_checkpoint() -> None:
+    before = world_of((A, 1), (B, 1))
+    assert plan_reformation(before, {B: holder(B, 1, before, alive=())}, B) is None
+
+
+def test_plans_and_arrivals_survive_their_encoding() -> None:
+    before = world_of((A, 2), (B, 1))
+    plan = plan_reformation(before, {A: holder(A, 2, before)}, A, detected_at=1.5)
+    assert plan is not None
+    assert Plan.decode(plan.encode()) == plan and plan.encode() == Plan.decode(
+        plan.encode()).encode()
+    arrival = holder(B, 1, before)
+    assert Arrival.decode(arrival.encode()) == arrival
+    told = Announcement("abort", A, plan)
+    assert Announcement.decode(told.encode()) == told
+
+
+def _server() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=5))
+
+
+def test_of_two_coordinators_from_one_base_only_the_first_commits_and_a_stale_one_none() -> None:
+    store = _server()
+    base, first, second, newer = (world_of((A, 1), (B, 1), generation=g).encode()
+                                  for g in (1, 2, 3, 4))
+    assert commit_plan(store, "plan", b"", base) == base
+    assert commit_plan(store, "plan", base, first) == first
+    assert commit_plan(store, "plan", base, second) == first  # learns the winner
+    assert commit_plan(store, "plan", first, newer) == newer
+    assert commit_plan(store, "plan", base, second) == newer  # a partitioned minority
+
+
+def test_a_dead_agent_refuses_at_once_and_a_live_one_takes_the_call() -> None:
+    server = _server()
+    address = f"127.0.0.1:{server.port}"
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{closed.getsockname()[1]}"  # bound, not listening: refused
+    peers = PeerStores(timeout=2.0)
+    assert reachable(address) and not reachable(dead)
+    assert peers.tell_all([address, dead], "notice", "hello") == {address}
+    assert local_value(server, "notice") == b"hello"
+    assert local_value(server, "absent") is None
+    threading.Timer(0.2, lambda: server.set("plan", b"p")).start()
+    assert peers.read(address, "plan", timeout=5) == b"p"
+    assert peers.read(address, "never", timeout=0.2) is None
+    with pytest.raises(ConnectionError, match="no agent answers"):
+        peers.client(dead)
