@@ -88,9 +88,10 @@ def main() -> None:
                 mark("startup", process_start=process_start_time(), imported=IMPORTED,
                      group_ready=group_ready, ddp_ready=ddp_ready, restored=loaded,
                      first_step_done=time.time(), resumed_step=step - 1,
-                     restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+                     restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                     world_size=world)
                 first = False
-            mark("step", step=step, loss=loss.item())
+            mark("step", step=step, loss=loss.item(), world_size=world)
             if args.checkpoint_every and step % args.checkpoint_every == 0 and rank == 0:
                 began = time.time()
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
