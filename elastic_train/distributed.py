@@ -229,16 +229,11 @@ def abandoned_groups() -> int:
     return len(_abandoned)
 
 
-def store_prefix(run_id: str, restart_count: int, generation: int = 0) -> str:
-    """The key prefix of one world's process group in the agent's store (a single-node
-    job's shared store, or the live-recovery store).
-
-    A world that re-forms in place (live recovery) keeps the incarnation's restart count
-    and gets a new generation; the agent announces generations under the prefix of
-    generation 0 (live_recovery.py).
-    """
-    prefix = f"elastic_train/{run_id}/restart-{restart_count}"
-    return f"{prefix}/live-{generation}" if generation else prefix
+def store_prefix(run_id: str, restart_count: int) -> str:
+    """The key prefix of one incarnation in an agent's store: a single-node job's process
+    group in torchrun's shared store, or what a live agent tells its workers
+    (live_recovery.py)."""
+    return f"elastic_train/{run_id}/restart-{restart_count}"
 
 
 def _store_address(env: WorkerEnv) -> str:
@@ -255,7 +250,7 @@ def agent_store(env: WorkerEnv, timeout: timedelta) -> dist.Store:
                          is_master=False, timeout=timeout, wait_for_workers=False)
 
 
-def _store_for(env: WorkerEnv, timeout: timedelta, generation: int = 0) -> dist.Store | None:
+def _store_for(env: WorkerEnv, timeout: timedelta) -> dist.Store | None:
     """The store the group is formed on; None means torch's env:// default.
 
     When torchrun shares its agent's TCPStore with the workers (the 2.x default), the keys
@@ -272,7 +267,7 @@ def _store_for(env: WorkerEnv, timeout: timedelta, generation: int = 0) -> dist.
         return None
     store = agent_store(env, timeout)
     if env.single_node:
-        return dist.PrefixStore(store_prefix(env.run_id, env.restart_count, generation), store)
+        return dist.PrefixStore(store_prefix(env.run_id, env.restart_count), store)
     if env.rank == 0:
         log.warning("workers of several agents share the agent's TCPStore; restarts are more "
                     "reliable with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set for torchrun")
@@ -299,7 +294,7 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
     where = f"the live store of generation {generation}" if store is not None \
         else _store_address(env)
     if store is None:
-        store = _store_for(env, connect, generation)
+        store = _store_for(env, connect)
     with _lock:
         _aborted = None
         _generation = generation

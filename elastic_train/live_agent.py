@@ -88,6 +88,8 @@ for calls every --monitor-interval; one busy in a rendezvous round comes later).
 FOLLOW_SECONDS = ARRIVE_SECONDS + 5.0
 """How long a member waits for its coordinator's plan before it coordinates itself."""
 REFORM_ATTEMPTS = 3
+STOCK_ROUND = b"stock"
+"""The round's plan when some agent of it is not ours: every worker starts the torch way."""
 MIXED_ROUND_SECONDS = 5.0
 """How long group rank 0 waits for the other agents of a round to say what they bring
 before it takes the round for one with plain torchrun agents in it."""
@@ -282,20 +284,26 @@ class LiveRecoveryAgent(LocalElasticAgent):
             return plan, plan.encode()
         keys = [f"{ROUND_PREFIX}/arrival/{r}" for r in range(worker_group.group_world_size)]
         store.set(keys[worker_group.group_rank], arrival.encode())
-        try:
-            if worker_group.group_rank == 0:
+        if worker_group.group_rank == 0:
+            try:
                 store.wait(keys, timedelta(seconds=MIXED_ROUND_SECONDS))
                 plan = plan_round([Arrival.decode(r) for r in store.multi_get(keys)],
                                   self.address, detected_at=time.time())
-                commit_plan(store, COMMITTED_KEY, b"", plan.encode())
-            else:
+                raw = commit_plan(store, COMMITTED_KEY, b"", plan.encode())
+            except (RuntimeError, TimeoutError):  # torch's stores time out: DistStoreError
+                raw = commit_plan(store, COMMITTED_KEY, b"", STOCK_ROUND)
+        else:
+            try:
                 store.wait([keys[0]], timedelta(seconds=MIXED_ROUND_SECONDS))
-        except (RuntimeError, TimeoutError):  # torch's stores time out with DistStoreError
+            except (RuntimeError, TimeoutError):
+                raw = STOCK_ROUND  # group rank 0 is not ours: it decides nothing
+            else:
+                raw = store.get(COMMITTED_KEY)
+        if raw == STOCK_ROUND:
             log.warning("an agent of this rendezvous round is not elastic-train run's (plain "
                         "torchrun?): this round starts every worker the torch way, from the "
                         "newest checkpoint")
             return None, b""
-        raw = store.get(COMMITTED_KEY)
         return Plan.decode(raw), raw
 
     def _apply_round(self, worker_group: WorkerGroup, plan: Plan, raw: bytes

@@ -212,10 +212,11 @@ class LiveWorld:
                     return
                 ready_store = None
 
-    def announced(self, timeout: float = ANNOUNCE_TIMEOUT) -> int | None:
+    def announced(self, timeout: float | None = None) -> int | None:
         """After a failed step: the newer generation the agent announced, or None if none
-        comes within ``timeout`` (the failure was this worker's own)."""
-        deadline = time.monotonic() + timeout
+        comes within ``timeout`` (default ``ANNOUNCE_TIMEOUT``; the failure was this
+        worker's own)."""
+        deadline = time.monotonic() + (ANNOUNCE_TIMEOUT if timeout is None else timeout)
         while True:
             with contextlib.suppress(Exception):
                 latest = self.latest()

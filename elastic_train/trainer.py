@@ -47,6 +47,10 @@ from elastic_train.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
+OWN_FAILURE_GRACE = 2.0
+"""Seconds a step that failed outside a collective (the task's own error) waits for a
+re-formation announced meanwhile before it fails the worker."""
+
 
 @dataclass
 class TrainerState:
@@ -258,9 +262,10 @@ class Trainer:
                 failed_at = time.time()
                 if live is None:
                     raise
-                if distributed.is_collective_failure(exc):
-                    live.report_failed_collective()  # a peer may be gone: its agent finds out
-                if live.announced() is None:
+                collective = distributed.is_collective_failure(exc)
+                if collective:  # a peer may be gone: its agent finds out and re-forms
+                    live.report_failed_collective()
+                if live.announced(None if collective else OWN_FAILURE_GRACE) is None:
                     raise
                 lost_peer = True
             else:
@@ -358,6 +363,10 @@ class Trainer:
             self._samples_file.close()  # each rank's samples go to its own file
             self._samples_file = None
         self.group, self.env = rejoined.group, self.runtime.env
+        if self.group.rank == 0 and self.progress is None:  # rank 0 was lost: show on here
+            cfg = self.config.train
+            self.progress = Progress(self.out, cfg.steps, cfg.batch_size, cfg.log_every)
+            self.events.observers = (*self.events.observers, self.progress.observe)
         return rejoined
 
     def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:

@@ -10,10 +10,10 @@ the global batch before and after each resize. The nodes run the README's comman
 
 - ``etcd-v3`` (our backend, on an etcd without the v2 API): ``elastic-train run`` nodes;
   the node that dies hosts rank 0, so the survivor takes over the event log and claims a
-  new writer epoch. The survivor re-forms the world in place (live recovery: its worker
-  keeps its process, at most one step is redone); the node that joins runs plain
-  ``torchrun``, whose workers cannot join a running world: that round takes torch's
-  restart path (every worker from the newest checkpoint), the fallback under test.
+  new writer epoch. Both resizes happen in place (live recovery: the survivor's worker
+  keeps its process, at most one step is redone). A second test: a node of plain
+  ``torchrun``, whose workers cannot join a running world, joins through torch's restart
+  path (every worker from the newest checkpoint), a fallback of live recovery.
 - ``c10d``, with ``--batch-policy scale-lr``: both resizes in place, the survivor's
   worker never restarts, no checkpoint is loaded. Its store lives in one agent (node-a,
   by ``is_host=true``): killing that agent ends the job (the others lose the rendezvous),
@@ -225,40 +225,71 @@ def report(request: pytest.FixtureRequest) -> Any:
     return emit
 
 
-def test_etcd_v3_loses_the_rank0_node_and_grows_back(tmp_path: Path, etcd_v3: EtcdServer,
-                                                      report: Any) -> None:
-    """The README's etcd-v3 commands: nodes a and b run ``elastic-train run``, the node
-    that joins later runs plain ``torchrun`` (the entry point registered the backend)."""
+def test_etcd_v3_loses_the_rank0_node_and_grows_back_in_place(tmp_path: Path,
+                                                               etcd_v3: EtcdServer,
+                                                               report: Any) -> None:
+    """The README's etcd-v3 command on every node. The node that dies hosts rank 0: the
+    survivor re-forms the world in place (its worker keeps its process, at most the step
+    in flight is redone), takes over the event log and, the writer being lost, claims a
+    new writer epoch from the step the world goes on from; the node that joins receives
+    the state from it, and no checkpoint is ever loaded."""
     assert not etcd_v3.serves_v2()
-    elastic = harness.readme_command("elastic-train run", "--rdzv-backend etcd-v3")
-    torchrun = harness.readme_command("torchrun", "--rdzv-backend etcd-v3")
+    command = harness.readme_command("elastic-train run", "--rdzv-backend etcd-v3")
     run_dir = tmp_path / "run"
 
     def start(name: str) -> harness.Job:
-        command = torchrun if name == "node-c" else elastic
         return readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v3.endpoint},
                            tmp_path.name, FAST_V3, JOB)
 
     measured = lose_a_node_and_add_one(run_dir, start, victim="rank0")
     events = check_the_log(run_dir)
     assert {e["global_batch"] for e in events if e["event"] == "step"} == {BATCH}
-    # The agent's timing (elastic-train run) or the etcd-v3 handler's (torchrun).
-    assert all(r["seconds"] > 0 for r in measured.rendezvous)
-    # The loss of the node: in place. The survivor's worker kept its process, redid at
-    # most the step in flight, and (the writer was lost) claimed a new writer epoch from
-    # the step the world went on from.
-    shrink = first_recovery(events, "node lost")
+    assert all(r["seconds"] > 0 for r in measured.rendezvous)  # the agent's timing
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names, names
+    shrink, grow = first_recovery(events, "node lost"), first_recovery(events, "node joined")
     assert shrink["kind"] == "live" and shrink["lost_nodes"] == 1, shrink
     assert shrink["steps_redone"] <= 1 and shrink["world_size"] == 1, shrink
-    assert measured.survivor_pids[1] == measured.survivor_pids[0], measured.survivor_pids
+    assert (grow["kind"], grow["steps_redone"], grow["world_size"]) == ("live", 0, 2), grow
+    assert measured.survivor_pids[0] == measured.survivor_pids[1] == measured.survivor_pids[2]
     claims = [json.loads(p.read_text()) for p in sorted((run_dir / "writers").iterdir())]
-    assert claims[1]["resumed_from"] == shrink["step"], claims
-    # The join of a plain torchrun node: torch's restart path, from the newest checkpoint.
-    after = [e for e in events if e["time"] > shrink["time"]]
-    assert [e["event"] for e in after].count("start") >= 1, after
-    assert any(e["event"] == "checkpoint_loaded" for e in after)
-    assert measured.survivor_pids[2].isdisjoint(measured.survivor_pids[1])
+    assert [c["resumed_from"] for c in claims] == [None, shrink["step"]], claims
     report("etcd-v3", measured)
+
+
+def test_etcd_v3_a_plain_torchrun_node_joins_through_the_restart_path(
+        tmp_path: Path, etcd_v3: EtcdServer) -> None:
+    """The README's torchrun command joins an ``elastic-train run`` node: torchrun's workers
+    cannot join a running world, so that round starts every worker the torch way, from the
+    newest checkpoint (a fallback of live recovery), and the job finishes at world 2 with
+    each sample once per epoch."""
+    elastic = harness.readme_command("elastic-train run", "--rdzv-backend etcd-v3")
+    torchrun = harness.readme_command("torchrun", "--rdzv-backend etcd-v3")
+    run_dir = tmp_path / "run"
+    job = [*JOB, "--task-opt", "pace_world_2=0.02"]
+    nodes = [readme_node(elastic, run_dir, "node-a", {"127.0.0.1:2379": etcd_v3.endpoint},
+                         tmp_path.name, FAST_V3, job)]
+    try:
+        nodes[0].wait_for_event(step_at(1, min_step=5), TIMEOUT)
+        alone = set(harness.workers_of(nodes[0].proc.pid).values())
+        nodes.append(readme_node(torchrun, run_dir, "node-b",
+                                 {"127.0.0.1:2379": etcd_v3.endpoint}, tmp_path.name,
+                                 FAST_V3, job))
+        nodes[0].wait_for_event(step_at(2), TIMEOUT)
+        restarted = set(harness.workers_of(nodes[0].proc.pid).values())
+        for node in nodes:
+            assert node.wait(TIMEOUT) == 0, node.report()
+    finally:
+        for node in nodes:
+            node.stop()
+    assert "an agent of this rendezvous round is not elastic-train run's" in nodes[0].output()
+    events = list(read_events(run_dir / EVENTS_FILE))
+    assert worlds_of(events) == [1, 2]
+    assert [e["event"] for e in events].count("start") == 2
+    assert [e["kind"] for e in events if e["event"] == "recovery"] == ["restart"]
+    assert any(e["event"] == "checkpoint_loaded" for e in events)
+    assert alone and restarted and restarted.isdisjoint(alone)  # its worker restarted
+    assert_each_sample_once_in_order(run_dir)
 
 
 def test_etcd_v3_a_preempted_node_leaves_and_the_other_goes_on(tmp_path: Path,

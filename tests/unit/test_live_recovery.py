@@ -54,9 +54,26 @@ def test_the_collectives_own_error_reaches_the_waiter() -> None:
         mine.wait()
 
 
-def test_generations_have_their_own_store_prefix() -> None:
+def test_incarnations_have_their_own_store_prefix() -> None:
     assert distributed.store_prefix("job", 2) == "elastic_train/job/restart-2"
-    assert distributed.store_prefix("job", 2, 3) == "elastic_train/job/restart-2/live-3"
+
+
+def test_only_a_failed_collective_asks_the_agents_to_re_form() -> None:
+    lost = [CollectiveAborted("a peer was lost"),
+            torch.distributed.DistBackendError("gloo: connection reset"),
+            RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+                         "closed by peer [127.0.0.1]:23456")]
+    assert all(distributed.is_collective_failure(exc) for exc in lost)
+    try:  # a collective's error wrapped by the code that waited on it
+        try:
+            raise lost[2]
+        except RuntimeError as inner:
+            raise ValueError("the step failed") from inner
+    except ValueError as outer:
+        assert distributed.is_collective_failure(outer)
+    own = [ValueError("bad batch"), RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
+           KeyError("tokens")]
+    assert not any(distributed.is_collective_failure(exc) for exc in own)
 
 
 # ---- the agent's per-worker contexts --------------------------------------------------------

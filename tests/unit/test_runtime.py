@@ -238,3 +238,22 @@ def test_an_end_without_registered_objects_writes_no_checkpoint(tmp_path: Path) 
         runtime.close()
     assert of(run_dir, "checkpoint_saved") == [] and exported == [True]
     assert kinds(run_dir)[-1] == "end"
+
+
+def test_a_node_ready_to_join_takes_the_loop_out_at_the_vote(tmp_path: Path) -> None:
+    """Live recovery's boundary re-formation: the vote carries it (with the loss, and in a
+    loop that votes nothing else), and it ends nothing by itself."""
+    from types import SimpleNamespace
+
+    runtime = make_runtime(RunDir(tmp_path / "run").prepare())
+    try:
+        live = SimpleNamespace(reform_due=False, close=lambda: None)
+        runtime.live = live  # type: ignore[assignment]
+        assert not runtime.vote(torch.tensor(1.0, dtype=torch.float64)).reform
+        live.reform_due = True
+        vote = runtime.vote(torch.tensor(2.0, dtype=torch.float64))
+        assert vote.reform and vote.loss_sum == 2.0 and not vote.ends_loop
+        runtime.preemption = None
+        assert runtime.vote().reform
+    finally:
+        runtime.close()
