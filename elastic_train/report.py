@@ -9,7 +9,7 @@ restart, live recovery, resize and checkpoint is marked. It needs matplotlib (``
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,17 +155,31 @@ def summary_lines(line: Timeline) -> list[str]:
                    f"step {failure.resumed_from} ({failure.lost_steps} steps redone); "
                    f"{downtime}")
     for n, rec in enumerate(line.live_recoveries, 1):
-        ranks = ", ".join(str(r) for r in rec.get("failed_ranks") or []) or "?"
-        seconds = "" if rec.get("seconds") is None else f"; {rec['seconds']:.2f} s from " \
-            "detection to the state in place"
-        out.append(f"  live recovery {n}   rank {ranks} replaced at step {rec['step']} "
+        out.append(f"  live recovery {n}   {_what_changed(rec)} at step {rec['step']} "
                    f"({rec.get('steps_redone') or 0} step redone, "
                    f"{(rec.get('bytes') or 0) / 1e6:.1f} MB of state from rank "
-                   f"{rec.get('source_rank', '?')}){seconds}")
+                   f"{rec.get('source_rank', '?')}){_recovery_seconds(rec)}")
     for when, old, new in line.resizes:
         out.append(f"  resize            world size {old} -> {new} after "
                    f"{_duration(when - line.began)}")
     return out
+
+
+def _what_changed(rec: Mapping[str, Any]) -> str:
+    """A live recovery's cause, in the report's words."""
+    ranks = ", ".join(str(r) for r in rec.get("failed_ranks") or []) or "?"
+    before, after = rec.get("previous_world_size"), rec.get("world_size")
+    if rec.get("cause") == "node joined":
+        return f"a node joined, world {before} -> {after},"
+    if rec.get("lost_nodes"):
+        return f"{rec['lost_nodes']} node(s) lost (rank {ranks}), world {before} -> {after},"
+    return f"rank {ranks} replaced"
+
+
+def _recovery_seconds(rec: Mapping[str, Any]) -> str:
+    if rec.get("seconds") is None:
+        return ""
+    return f"; {rec['seconds']:.2f} s from detection to the state in place"
 
 
 def _steps_list(steps: Sequence[int], limit: int = 12) -> str:

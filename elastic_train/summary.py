@@ -48,7 +48,7 @@ class RunSummary:
             return []
         known = [s for s in self.live_recoveries if s is not None]
         timing = f", {max(known):.2f} s at most" if known else ""
-        return [f"  live recoveries   {len(self.live_recoveries)} (workers replaced in place, "
+        return [f"  live recoveries   {len(self.live_recoveries)} (the world re-formed in place, "
                 f"state from a peer{timing})"]
 
 

@@ -163,7 +163,7 @@ def test_the_summary_counts_live_recoveries() -> None:
               {"event": "step", "step": 1, "loss": 1.0, "time": 2.0}, LIVE,
               {"event": "step", "step": 1, "loss": 1.0, "time": 4.0}]
     lines = summarize(events, "r").lines()
-    assert "  live recoveries   1 (workers replaced in place, state from a peer, 0.25 s at " \
+    assert "  live recoveries   1 (the world re-formed in place, state from a peer, 0.25 s at " \
            "most)" in lines
 
 

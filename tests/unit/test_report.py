@@ -130,3 +130,22 @@ def test_a_live_recovery_is_a_line_of_the_summary_and_a_mark_of_the_picture(
            "from rank 0); 0.43 s from detection to the state in place" in report.text
     assert "  live recoveries   1 (" in report.text
     assert report.image_path is not None and report.image_path.stat().st_size > 10_000
+
+
+def test_a_lost_and_a_joining_node_say_so_with_the_worlds(tmp_path: Path) -> None:
+    events = records()
+    at = next(i for i, e in enumerate(events) if e.get("step") == 6)
+    common = {"event": "recovery", "kind": "live", "restart": 0, "generation": 1,
+              "source_rank": 0}
+    events[at + 1:at + 1] = [
+        {**common, "time": 106.5, "step": 6, "world_size": 1, "previous_world_size": 2,
+         "failed_ranks": [1], "steps_redone": 1, "seconds": 0.2, "bytes": 0,
+         "cause": "node lost", "lost_nodes": 1},
+        {**common, "time": 106.7, "step": 6, "world_size": 2, "previous_world_size": 1,
+         "failed_ranks": [], "steps_redone": 0, "seconds": None, "bytes": 10_170_335,
+         "cause": "node joined"}]
+    text = write_report(write(tmp_path / "run", events), plot=False).text
+    assert "  live recovery 1   1 node(s) lost (rank 1), world 2 -> 1, at step 6 (1 step " \
+           "redone, 0.0 MB of state from rank 0); 0.20 s from detection" in text
+    assert "  live recovery 2   a node joined, world 1 -> 2, at step 6 (0 step redone, 10.2 MB"\
+           " of state from rank 0)\n" in text
