@@ -42,13 +42,19 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
@@ -58,6 +64,7 @@ from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
 from elastic_train.live_peers import (
     NOTICE_KEY,
     RESTART,
+    WAKE_KEY,
     Notice,
     PeerStores,
     arrival_key,
@@ -90,6 +97,7 @@ FOLLOW_SECONDS = ARRIVE_SECONDS + 5.0
 REFORM_ATTEMPTS = 3
 STOCK_ROUND = b"stock"
 """The round's plan when some agent of it is not ours: every worker starts the torch way."""
+WAKER_STOP = b"stop"
 MIXED_ROUND_SECONDS = 5.0
 """How long group rank 0 waits for the other agents of a round to say what they bring
 before it takes the round for one with plain torchrun agents in it."""
@@ -216,6 +224,12 @@ class LiveRecoveryAgent(LocalElasticAgent):
         self._said_why_not = False
         self._noticed = -1  # the newest generation a peer's notice asked for, handled
         self._round_agents = 1  # agents of the rendezvous round (torch's group world size)
+        # torch's loop sleeps --monitor-interval before each check; here the check waits
+        # for it instead, and a call or a worker's report (WAKE_KEY) ends the wait at once.
+        spec = self._worker_group.spec
+        self._interval, spec.monitor_interval = spec.monitor_interval, 0.0
+        self._wake = threading.Event()
+        self._waker: threading.Thread | None = None
 
     # ---- whether and where -----------------------------------------------------------------
     def _live_possible(self, worker_group: WorkerGroup) -> str | None:
@@ -237,6 +251,35 @@ class LiveRecoveryAgent(LocalElasticAgent):
                                          timeout=timedelta(seconds=60))
         host = worker_group.spec.local_addr or socket.getfqdn()
         self.address = f"{host}:{self._node_store.port}"
+        if hasattr(self._node_store, "queue_pop"):
+            self._waker = threading.Thread(target=self._wait_for_calls, args=(
+                self._node_store.port,), name="live-agent-wake", daemon=True)
+            self._waker.start()
+
+    def _wait_for_calls(self, port: int) -> None:
+        """Wake the monitor loop whenever something is pushed to ``WAKE_KEY``."""
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(days=7))
+        while True:
+            try:
+                item = client.queue_pop(WAKE_KEY, block=True)
+            except (RuntimeError, OSError):
+                return
+            if item == WAKER_STOP:
+                return
+            self._wake.set()
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            return super().run(role)
+        finally:
+            # While the store still runs: a thread left blocked in the store's client would
+            # end inside C++ when the interpreter finalizes.
+            if self._waker is not None and self._node_store is not None:
+                with contextlib.suppress(RuntimeError, OSError):
+                    self._node_store.queue_push(WAKE_KEY, WAKER_STOP)
+                self._waker.join(timeout=5)
+                self._waker = None
 
     def _store_of_workers(self, worker_group: WorkerGroup) -> dist.Store:
         """This agent's store, under the prefix its workers of this incarnation use
@@ -338,6 +381,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
     # ---- re-forming within a round ----------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._wake.wait(self._interval)
+        self._wake.clear()
         workers = self._pcontext
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
             return super()._monitor_workers(worker_group)

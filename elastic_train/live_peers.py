@@ -28,6 +28,10 @@ import torch.distributed as dist
 
 PREFIX = "elastic_train/agents"
 NOTICE_KEY = f"{PREFIX}/notice"
+WAKE_KEY = f"{PREFIX}/wake"
+"""A queue in each agent's store: whoever leaves the agent something to act on (a peer's
+call, a worker's failed collective) pushes to it, and the agent acts at once instead of at
+its next --monitor-interval."""
 PROBE_SECONDS = 2.0
 """How long a coordinator waits for a member's store to accept a connection: an agent that
 died refuses at once; a host that is gone does not answer."""
@@ -105,9 +109,12 @@ class PeerStores:
             self._clients.pop(address, None)
 
     def tell(self, address: str, key: str, value: str | bytes) -> bool:
-        """Set ``key`` in the store at ``address``; False when that agent is gone."""
+        """Set ``key`` in the store at ``address`` and wake that agent; False when that
+        agent is gone."""
         try:
-            self.client(address).set(key, value)
+            client = self.client(address)
+            client.set(key, value)
+            wake(client)
             return True
         except (ConnectionError, RuntimeError, OSError):
             self.forget(address)
@@ -140,6 +147,13 @@ class PeerStores:
         except (ConnectionError, RuntimeError, OSError):
             self.forget(address)
             return None
+
+
+def wake(store: dist.Store) -> None:
+    """Wake the agent whose store this is (see ``WAKE_KEY``; a torch without store queues,
+    before 2.6, leaves it to the agent's next --monitor-interval)."""
+    with contextlib.suppress(AttributeError, RuntimeError, OSError):
+        store.queue_push(WAKE_KEY, b"1")
 
 
 def local_value(store: dist.Store, key: str) -> bytes | None:

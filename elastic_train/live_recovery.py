@@ -40,6 +40,7 @@ from elastic_train import distributed
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import LiveRecoveryError
+from elastic_train.live_peers import wake
 from elastic_train.live_plan import LIVE, Plan
 
 GENERATION_KEY = "live/generation"
@@ -116,8 +117,8 @@ class LiveWorld:
         self.timeout_seconds = timeout_seconds
         self._timeout = timedelta(seconds=timeout_seconds)
         self._prefix = distributed.store_prefix(env.run_id, env.restart_count)
-        self._store = dist.PrefixStore(self._prefix, _store_client(env.live_store,
-                                                                   self._timeout))
+        self._agent_store = _store_client(env.live_store, self._timeout)
+        self._store = dist.PrefixStore(self._prefix, self._agent_store)
         self._watch_store = dist.PrefixStore(self._prefix, _store_client(env.live_store,
                                                                          self._timeout))
         self._base_env = env
@@ -184,6 +185,7 @@ class LiveWorld:
         with contextlib.suppress(Exception):
             self._store.set(FAILED_COLLECTIVE_KEY, json.dumps(
                 {"generation": self.generation, "rank": self.env.rank, "time": time.time()}))
+            wake(self._agent_store)
 
     def _watch(self) -> None:
         ready_store: dist.Store | None = None
