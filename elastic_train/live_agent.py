@@ -381,18 +381,21 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
     # ---- re-forming within a round ----------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        self._wake.wait(self._interval)
-        self._wake.clear()
+        woken = self._wake.wait(self._interval)
+        if woken:  # what woke it is read below (keys stay set): a later push wakes it again
+            self._wake.clear()
         workers = self._pcontext
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
             return super()._monitor_workers(worker_group)
-        failed, running = workers.poll_failed()
+        failed, _ = workers.poll_failed()
         store = self._store_of_workers(worker_group)
-        notice = self._notice()
-        reported = self._reported_failure(store)
+        # Calls and reports wake this loop; without store queues (torch < 2.6) look each time.
+        look = woken or self._waker is None
+        notice = self._notice() if look else None
+        reported = look and self._reported_failure(store)
         if not (failed or notice or reported):
             return super()._monitor_workers(worker_group)
-        why_not = self._why_not_now(store, failed, running)
+        why_not = self._why_not_now(store, failed)
         if why_not is not None:
             log.warning("the world cannot re-form in place (%s): every worker of this node "
                         "restarts from the newest checkpoint", why_not)
@@ -403,8 +406,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         return RunResult(state=WorkerState.UNHEALTHY, failures={
             worker_group.workers[lr].global_rank: failure for lr, failure in failed.items()})
 
-    def _why_not_now(self, store: dist.Store, failed: Mapping[int, Any], running: int
-                     ) -> str | None:
+    def _why_not_now(self, store: dist.Store, failed: Mapping[int, Any]) -> str | None:
         if failed and self._live_left <= 0:
             return "the live restarts of --max-restarts are spent"
         if not store.check([READY_KEY]):
@@ -460,11 +462,11 @@ class LiveRecoveryAgent(LocalElasticAgent):
                                            detected_at)
             else:
                 outcome = self._follow(coordinator, generation, arrival)
-            if outcome is RESTART:
-                return False
-            if outcome is not None:
+            if isinstance(outcome, tuple):
                 plan, raw = outcome
                 break
+            if outcome == RESTART:  # no member holds the state
+                return False
             # the coordinator is gone: this agent coordinates the next generation
             coordinator, generation = self.address, generation + 1
         if plan is None or raw is None or self.address not in plan.agents:

@@ -1,6 +1,7 @@
-"""Live recovery (``elastic-train run``, one node): a SIGKILLed worker is started again alone,
-takes the state from a survivor over the new process group, and the run ends with the
-weights of a run never killed, bit for bit.
+"""Live recovery (``elastic-train run``, one node and two): a SIGKILLed worker is started again
+alone, takes the state from a survivor over the new process group, and the run ends with
+the weights of a run never killed, bit for bit. (Whole nodes lost and added:
+test_multinode.py.)
 
 Real workers forked from the forkserver, real SIGKILLs at the moments that matter (mid-step,
 right after a checkpoint step while rank 0 persists it, a second kill while the world is
@@ -242,3 +243,32 @@ def test_workers_lost_on_either_of_two_nodes_are_replaced_in_place_bitwise_exact
     assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
     for epoch, seen in _samples_per_epoch(run_dir).items():
         assert len(seen) == len(set(seen)), f"epoch {epoch} repeats samples"
+
+
+def test_when_both_nodes_lose_their_workers_the_job_restarts_from_its_checkpoint(
+        tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
+    """Two agents (c10d, one worker each), both workers SIGKILLed at once: each agent starts
+    its worker again and calls the other, one coordinates, finds no member holding the
+    state and tells the other so; both take torch's restart path from the newest
+    checkpoint, and the result is still exact."""
+    run_dir = tmp_path / "run"
+    port = harness.free_ports()
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={tmp_path.name}"]
+    nodes = [harness.node(run_dir, name, [*rdzv, f"--rdzv-conf=is_host={host}"],
+                          [*JOB, "--max-restarts", "3"], launcher="elastic-train", nnodes="2")
+             for name, host in (("node-a", "true"), ("node-b", "false"))]
+    try:
+        nodes[0].wait_for_event(_step(12), TIMEOUT)
+        for node in nodes:
+            for pid in harness.workers_of(node.proc.pid).values():
+                os.kill(pid, signal.SIGKILL)
+        for node in nodes:
+            assert node.wait(TIMEOUT) == 0, node.report()
+    finally:
+        for node in nodes:
+            node.stop()
+    events = nodes[0].events()
+    assert [e["kind"] for e in events if e["event"] == "recovery"] == ["restart"], events
+    assert [e["event"] for e in events].count("checkpoint_loaded") == 1
+    assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
