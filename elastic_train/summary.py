@@ -106,9 +106,11 @@ def summarize(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Ru
     losses = [effective[s] for s in sorted(effective) if effective[s] is not None]
     tail = losses[-LOSS_WINDOW:]
     sizes: list[int] = []
-    for e in segment:
-        if e["event"] == Event.START and (not sizes or sizes[-1] != e.get("world_size")):
-            sizes.append(e.get("world_size"))
+    for e in segment:  # every world: each start's, and each one re-formed in place
+        world = e.get("new_world_size") if e["event"] == Event.RESIZE else \
+            e.get("world_size") if e["event"] == Event.START else None
+        if world is not None and (not sizes or sizes[-1] != world):
+            sizes.append(world)
     restarts = max((e.get("restart", 0) for e in segment if e["event"] == Event.START), default=0)
     return RunSummary(
         run_id=run_id,

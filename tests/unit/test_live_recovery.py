@@ -167,6 +167,19 @@ def test_the_summary_counts_live_recoveries() -> None:
            "most)" in lines
 
 
+def test_the_summary_shows_every_world_a_run_had_also_those_re_formed_in_place() -> None:
+    resize = {"event": "resize", "nodes": 1, "restart": 0, "since_last_step_seconds": None}
+    events = [{"event": "start", "run_id": "r", "restart": 0, "world_size": 2,
+               "total_steps": 3, "time": 1.0},
+              {"event": "step", "step": 1, "loss": 1.0, "time": 2.0},
+              {**LIVE, "world_size": 1, "cause": "node lost"},
+              {**resize, "old_world_size": 2, "new_world_size": 1, "time": 3.1},
+              {"event": "step", "step": 2, "loss": 1.0, "time": 4.0},
+              {**resize, "old_world_size": 1, "new_world_size": 2, "time": 4.1},
+              {"event": "step", "step": 3, "loss": 1.0, "time": 5.0}]
+    assert summarize(events, "r").world_sizes == (2, 1, 2)
+
+
 def test_the_metrics_count_recoveries_by_kind() -> None:
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, WorkerEnv(world_size=2, run_id="r"), 64)
