@@ -88,7 +88,8 @@ def test_the_local_cluster_trains_is_scraped_and_tears_down(tmp_path: Path) -> N
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--metrics-port", str(metrics),
          "--linger", "120", "--scrape-interval", "500ms", "--steps", str(STEPS),
-         "--preset", "tiny", "--checkpoint-every", "10", "--log-every", "5"],
+         "--preset", "tiny", "--checkpoint-every", "10", "--log-every", "5",
+         "--metrics-linger", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=harness.REPO,
         env=harness.job_env(), start_new_session=True)
     try:
@@ -100,7 +101,9 @@ def test_the_local_cluster_trains_is_scraped_and_tears_down(tmp_path: Path) -> N
 
         # Both workers are scraped (Kubernetes: the PodMonitor). At some point each, not both
         # at one instant: the tiny run trains for about two seconds, and Prometheus applies
-        # file-discovered targets up to 5 s late, so a fast start can finish training first.
+        # file-discovered targets up to 5 s late, so a fast start can finish training first;
+        # --metrics-linger keeps each worker's endpoint until one scrape of its final values
+        # (without it the run could end before the first scrape: seen after other jobs).
         server.wait_for('max_over_time(up{cluster="local"}[10m]) == 1', lambda r: len(r) == 2,
                         timeout=120)
         out.wait_for(r"^job ended: exit codes \[0, 0\]$", 240)
