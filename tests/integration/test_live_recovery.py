@@ -200,6 +200,15 @@ def test_a_stopped_worker_is_named_killed_and_replaced_in_place(
     assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
 
 
+def _two_nodes(run_dir: Path, job_id: str) -> list[harness.Job]:
+    """Two agents of ``elastic-train run`` (c10d, node-a holding the store), a worker each."""
+    port = harness.free_ports()
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job_id}"]
+    return [harness.node(run_dir, name, [*rdzv, f"--rdzv-conf=is_host={host}"],
+                         [*JOB, "--max-restarts", "3"], launcher="elastic-train", nnodes="2")
+            for name, host in (("node-a", "true"), ("node-b", "false"))]
+
+
 def test_workers_lost_on_either_of_two_nodes_are_replaced_in_place_bitwise_exact(
         tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
     """Two agents (c10d, one worker each), two kills in a row: rank 1 mid-interval, then
@@ -208,12 +217,7 @@ def test_workers_lost_on_either_of_two_nodes_are_replaced_in_place_bitwise_exact
     node's worker keeps its process; no checkpoint is loaded, at most one step is redone,
     and the final weights equal the one-node reference's, bit for bit."""
     run_dir = tmp_path / "run"
-    port = harness.free_ports()
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={tmp_path.name}"]
-    nodes = [harness.node(run_dir, name, [*rdzv, f"--rdzv-conf=is_host={host}"],
-                          [*JOB, "--max-restarts", "3"], launcher="elastic-train", nnodes="2")
-             for name, host in (("node-a", "true"), ("node-b", "false"))]
+    nodes = _two_nodes(run_dir, tmp_path.name)
     kept: list[bool] = []
     try:
         nodes[0].wait_for_event(_step(7), TIMEOUT)
@@ -252,12 +256,7 @@ def test_when_both_nodes_lose_their_workers_the_job_restarts_from_its_checkpoint
     state and tells the other so; both take torch's restart path from the newest
     checkpoint, and the result is still exact."""
     run_dir = tmp_path / "run"
-    port = harness.free_ports()
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={tmp_path.name}"]
-    nodes = [harness.node(run_dir, name, [*rdzv, f"--rdzv-conf=is_host={host}"],
-                          [*JOB, "--max-restarts", "3"], launcher="elastic-train", nnodes="2")
-             for name, host in (("node-a", "true"), ("node-b", "false"))]
+    nodes = _two_nodes(run_dir, tmp_path.name)
     try:
         nodes[0].wait_for_event(_step(12), TIMEOUT)
         for node in nodes:
