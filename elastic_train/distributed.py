@@ -167,8 +167,8 @@ def abort_collectives(reason: str, generation: int | None = None) -> None:
         future.set_exception(CollectiveAborted(reason))
 
 
-_PEER_LOST = ("Connection", "connection", "peer", "Timed out", "timed out", "NCCL", "Gloo",
-              "gloo")
+_PEER_LOST = ("connection", "peer", "timed out", "nccl", "gloo")
+"""Words of a backend's error about a lost peer (compared in lower case)."""
 
 
 def is_collective_failure(exc: BaseException | None) -> bool:
@@ -180,7 +180,7 @@ def is_collective_failure(exc: BaseException | None) -> bool:
         seen.add(id(exc))
         if isinstance(exc, (CollectiveAborted, dist.DistError)):
             return True
-        if isinstance(exc, RuntimeError) and any(word in str(exc) for word in _PEER_LOST):
+        if isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _PEER_LOST):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -276,10 +276,10 @@ def _store_for(env: WorkerEnv, timeout: timedelta) -> dist.Store | None:
 
 def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
                generation: int = 0, connect_seconds: float | None = None,
-               store: dist.Store | None = None) -> Group:
+               store: dist.Store | None = None, store_address: str | None = None) -> Group:
     """Form the process group of this incarnation (idempotent within a process);
     ``generation``: the world re-formed in place that this group belongs to, formed on
-    ``store`` (live_recovery.py; else the store torchrun gives);
+    ``store`` at ``store_address`` (live_recovery.py; else the store torchrun gives);
     ``connect_seconds``: a shorter bound for forming it (a world re-formed in place, where
     a member lost meanwhile must not hold the others for the whole collective timeout)."""
     global _aborted, _generation
@@ -291,8 +291,7 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
         return Group(dist.get_rank(), dist.get_world_size(), chosen, device)
     timeout = timedelta(seconds=timeout_seconds)
     connect = timedelta(seconds=min(connect_seconds or timeout_seconds, timeout_seconds))
-    where = f"the live store of generation {generation}" if store is not None \
-        else _store_address(env)
+    where = store_address or _store_address(env)
     if store is None:
         store = _store_for(env, connect)
     with _lock:

@@ -99,7 +99,7 @@ class Plan:
     started: int = 0
     claim_epoch: bool = False
     detected_at: float | None = None
-    stepping: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    kept: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Per agent, its local ranks that keep their process (the others start again)."""
 
     @property
@@ -125,7 +125,7 @@ class Plan:
 
     def keeps(self, agent: str) -> tuple[int, ...]:
         """The agent's local ranks whose processes go on into this generation."""
-        return tuple(self.stepping.get(agent, ()))
+        return tuple(self.kept.get(agent, ()))
 
     def same_world(self, other: Plan | None) -> bool:
         """Whether this plan's world is ``other``'s, worker for worker (nothing to re-form)."""
@@ -134,7 +134,7 @@ class Plan:
 
     def encode(self) -> bytes:
         raw = asdict(self)
-        raw["stepping"] = {k: list(v) for k, v in self.stepping.items()}
+        raw["kept"] = {k: list(v) for k, v in self.kept.items()}
         return json.dumps(raw, sort_keys=True).encode()
 
     @classmethod
@@ -148,7 +148,7 @@ class Plan:
             previous_world_size=raw.get("previous_world_size"),
             started=int(raw.get("started", 0)), claim_epoch=bool(raw.get("claim_epoch")),
             detected_at=raw.get("detected_at"),
-            stepping={str(k): tuple(v) for k, v in (raw.get("stepping") or {}).items()})
+            kept={str(k): tuple(v) for k, v in (raw.get("kept") or {}).items()})
 
 
 def _in_rank_order(arrivals: Sequence[Arrival]) -> list[Arrival]:
@@ -159,7 +159,7 @@ def _in_rank_order(arrivals: Sequence[Arrival]) -> list[Arrival]:
     return [*known, *(a for a in arrivals if a.agent not in seen)]
 
 
-def _stepping(arrivals: Iterable[Arrival]) -> dict[str, tuple[int, ...]]:
+def _kept(arrivals: Iterable[Arrival]) -> dict[str, tuple[int, ...]]:
     return {a.agent: tuple(a.alive) for a in arrivals if a.alive}
 
 
@@ -182,7 +182,7 @@ def plan_round(arrivals: Sequence[Arrival], group_store: str, *, detected_at: fl
     return Plan(generation, LIVE, members, group_store,
                 "node joined" if any(not a.holds_state for a in ordered) else "new round",
                 started=started, claim_epoch=not any(a.writer for a in ordered),
-                detected_at=detected_at, stepping=_stepping(ordered),
+                detected_at=detected_at, kept=_kept(ordered),
                 previous_world_size=max(a.world_size or 0 for a in holders) or None)
 
 
@@ -210,4 +210,4 @@ def plan_reformation(previous: Plan, arrivals: Mapping[str, Arrival], group_stor
                 lost=lost, failed_ranks=tuple(failed),
                 previous_world_size=previous.world_size, started=started,
                 claim_epoch=not writer_alive, detected_at=detected_at,
-                stepping=_stepping(arrivals[m.agent] for m in members))
+                kept=_kept(arrivals[m.agent] for m in members))

@@ -40,7 +40,7 @@ from elastic_train import distributed
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import LiveRecoveryError
-from elastic_train.live_peers import wake
+from elastic_train.live_peers import split_address, wake
 from elastic_train.live_plan import LIVE, Plan
 
 GENERATION_KEY = "live/generation"
@@ -97,9 +97,8 @@ class Failure:
 
 
 def _store_client(address: str, timeout: timedelta) -> dist.Store:
-    host, _, port = address.rpartition(":")
-    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout,
-                         wait_for_workers=False)
+    host, port = split_address(address)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
 
 
 class LiveWorld:
@@ -273,7 +272,8 @@ class LiveWorld:
                     return distributed.init_group(
                         self.env, self.backend, self.timeout_seconds, generation=generation,
                         connect_seconds=JOIN_CONNECT_SECONDS,
-                        store=dist.PrefixStore("group", store))
+                        store=dist.PrefixStore("group", store),
+                        store_address=f"{self.plan.group_store} (generation {generation})")
                 if time.monotonic() >= deadline:
                     raise LiveRecoveryError(
                         f"the world did not re-form: {joined} of {world} workers came back "

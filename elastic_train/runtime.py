@@ -242,8 +242,7 @@ class WorkerRuntime:
         assert self.live is not None
         self.set_group(self.live.join(), self.live.env)
         marks = {"process_start": started_at or time.time(), "joined_at": time.time()}
-        return self._share_and_report(objects, None, None,
-                                      self.live.plan.previous_world_size or 0, marks)
+        return self._share_and_report(objects, None, None, self.group.world_size, marks)
 
     def _share_and_report(self, objects: Mapping[str, Stateful], step: int | None,
                           attempted: int | None, previous_world: int,
@@ -257,6 +256,7 @@ class WorkerRuntime:
             marks["detected_at"] = failure.detected_at
         since = time.time() - failure.detected_at if failure.detected_at else None
         world = self.group.world_size
+        # the plan knows the world before (an arriving worker was in none)
         previous_world = self.live.plan.previous_world_size or previous_world
         self.events.emit(Recovery(
             kind="live", restart=self.env.restart_count, step=rejoined.step,

@@ -26,7 +26,7 @@ A, B, C = "host-a:1", "host-b:2", "host-c:3"
 
 def world_of(*members: tuple[str, int], generation: int = 4) -> Plan:
     return Plan(generation, LIVE, tuple(Member(a, n) for a, n in members), A, "start",
-                stepping={a: tuple(range(n)) for a, n in members})
+                kept={a: tuple(range(n)) for a, n in members})
 
 
 def holder(agent: str, workers: int, plan: Plan, alive: tuple[int, ...] | None = None
