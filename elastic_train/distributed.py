@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import DistributedError
@@ -201,6 +202,73 @@ def abortable_allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.fu
 # DDP checks a hook's annotations against the types themselves, not their names.
 abortable_allreduce_hook.__annotations__ = {
     "state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+class StepFailures:
+    """The first collective failure of the step in flight, as a forgiving gradient
+    all-reduce saw it (``forgiving_allreduce_hook``; ElasticSession's DDP)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def take(self) -> BaseException | None:
+        """The failure of the step in flight (None: it had none), and forget it."""
+        error, self.error = self.error, None
+        return error
+
+
+def forgiving_allreduce_hook(state: StepFailures, bucket: dist.GradBucket
+                             ) -> torch.futures.Future:
+    """DDP communication hook: ``abortable_allreduce_hook``'s gradient mean, but a failed or
+    aborted all-reduce is recorded in ``state`` instead of raised, so that a hand-written
+    loop's ``backward()`` returns; the session then skips the optimizer step (its grads
+    are garbage) and re-forms the world (session.py)."""
+    buffer = bucket.buffer()
+
+    def settle(result: torch.futures.Future) -> torch.Tensor:
+        try:
+            return result.value()[0]
+        except Exception as exc:
+            state.error = state.error or exc.with_traceback(None)
+            return buffer
+
+    try:
+        buffer.mul_(1.0 / dist.get_world_size())
+        work = dist.all_reduce(buffer, async_op=True)
+    except Exception as exc:  # the group already failed (aborted, or its peer is gone)
+        state.error = state.error or exc
+        failed: torch.futures.Future = torch.futures.Future()
+        failed.set_result(buffer)
+        return failed
+    return _abortable(work.get_future()).then(settle)
+
+
+forgiving_allreduce_hook.__annotations__ = {
+    "state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+def renew_ddp(ddp: DistributedDataParallel) -> None:
+    """Move ``ddp`` to this process' new default group (the world re-formed in place) with
+    a new reducer, as DDP builds one when it is unpickled (its ``__setstate__``).
+
+    Not ``DDP._update_process_group``: that keeps the buckets rebuilt in the first
+    iteration, in the order the gradients came, while a DDP built anew in a worker that
+    joins starts with the default order; the two would reduce different parameters' slots
+    together. Every member renews, so every member's buckets are the same. The comm hooks
+    registered before are registered again.
+    """
+    ddp.reducer._remove_autograd_hooks()
+    ddp.process_group = dist.group.WORLD
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient,
+                         ddp._build_debug_param_to_name_mapping(parameters), ddp.static_graph)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    ddp._has_rebuilt_buckets = False
+    for hook, state in ddp._comm_hooks:
+        ddp.logger._set_comm_hook_name(hook.__qualname__)
+        dist._register_comm_hook(ddp.reducer, state, hook)
 
 
 def abandon_group() -> None:

@@ -79,8 +79,30 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
     return p
 
 
-def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
-    """The torchrun command line equivalent to ``ns`` (without the program name)."""
+def script_command(argv: Sequence[str], parser: argparse.ArgumentParser
+                   ) -> tuple[list[str], list[str]] | None:
+    """``(launcher options, [script, its arguments...])`` when ``argv`` runs a script,
+    torchrun's form (``elastic-train run [options] train.py [args]``: the first argument
+    that is neither a launcher option nor its value); None for the built-in job (its job
+    options come first)."""
+    takes_value = {flag: action.nargs != 0 for action in parser._actions
+                   for flag in action.option_strings}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-"):
+            return list(argv[:i]), list(argv[i:])
+        flag = arg.split("=", 1)[0]
+        if flag not in takes_value:
+            return None
+        i += 2 if takes_value[flag] and "=" not in arg else 1
+    return None
+
+
+def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str],
+                  script: Sequence[str] = ()) -> list[str]:
+    """The torchrun command line equivalent to ``ns`` (without the program name); the
+    built-in job with ``job_args``, or ``script`` (``[path, args...]``)."""
     endpoint = rendezvous_endpoint(ns.nnodes, ns.rdzv_endpoint)
     run_id = rendezvous_id(ns.nnodes, ns.rdzv_id)
     argv = [
@@ -100,6 +122,8 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str]) -> list[str]:
         argv.append(f"--log-dir={ns.log_dir}")
     if ns.shutdown_timeout is not None:
         argv.append(f"--shutdown-timeout={ns.shutdown_timeout}")
+    if script:
+        return [*argv, *script]
     return [*argv, "-m", WORKER_MODULE, *job_args]
 
 
@@ -177,18 +201,18 @@ def first_failure_line(exc: BaseException) -> str:
 
 
 def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
-            recovery: str = "live") -> None:
+            recovery: str = "live", script: Sequence[str] = ()) -> None:
     """Run the elastic agent in this process until the job ends (``recovery``: the job's
-    --recovery; live_agent.py)."""
+    --recovery; live_agent.py; a script's ElasticSession chooses for itself)."""
 
     from elastic_train.live_agent import live_agent_installed
 
     with live_agent_installed(recovery):
-        _launch_agent(args, job_args, worker_start)
+        _launch_agent(args, job_args, worker_start, script)
 
 
-def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
-                  ) -> None:
+def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
+                  script: Sequence[str] = ()) -> None:
     from torch.distributed import run as torchrun
 
     if worker_start == "subprocess":
@@ -196,6 +220,7 @@ def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_star
         return
     from torch.distributed.launcher.api import elastic_launch
 
+    from elastic_train.script_worker import run_script
     from elastic_train.train import run_worker
 
     if args.master_port is None:
@@ -203,7 +228,10 @@ def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_star
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
     with workers_released_on_close():
-        elastic_launch(config, entrypoint=run_worker)(*job_args)
+        if script:
+            elastic_launch(config, entrypoint=run_script)(*script)
+        else:
+            elastic_launch(config, entrypoint=run_worker)(*job_args)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -213,6 +241,9 @@ def main(argv: Sequence[str]) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     parser = launcher_parser()
+    scripted = script_command(argv, parser)
+    if scripted is not None:
+        return _run_script(parser, *scripted)
     ns, job_args = parser.parse_known_args(list(argv))
     if ns.help or ns.help_job:
         from elastic_train.config import job_parser
@@ -230,9 +261,26 @@ def main(argv: Sequence[str]) -> int:
         return _checked_launch(ns, cmd, job_args, config)
 
 
+def _run_script(parser: argparse.ArgumentParser, options: list[str], script: list[str]
+                ) -> int:
+    """``elastic-train run [options] SCRIPT [args]``: every worker runs the script."""
+    ns = parser.parse_args(options)
+    if ns.help or ns.help_job:
+        parser.print_help()
+        return 0
+    if not os.path.isfile(script[0]):
+        print(f"elastic-train: error: no training script at {script[0]}: give the path of a "
+              "Python file (or job options, e.g. --task, for the built-in trainer)",
+              file=sys.stderr)
+        return 2
+    with worker_processes(ns.worker_start, ns.nproc_per_node):
+        return _checked_launch(ns, torchrun_argv(ns, [], script), [], None, script)
+
+
 def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[str],
-                    config: JobConfig) -> int:
-    """The rendezvous and pre-flight checks, then the launch; the exit code."""
+                    config: JobConfig | None, script: Sequence[str] = ()) -> int:
+    """The rendezvous and pre-flight checks, then the launch; the exit code (``config``:
+    the built-in job's, None for a script)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -243,25 +291,25 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
     try:
         check_rendezvous(ns.rdzv_backend, ns.rdzv_endpoint,
                          parse_rdzv_conf(rdzv_conf_with_defaults(ns.rdzv_backend, ns.rdzv_conf)))
-        preflight(config, ns.nproc_per_node)
+        if config is not None:
+            preflight(config, ns.nproc_per_node)
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
     timing.install()
+    where = f" (run dir {config.run_dir})" if config is not None else f" ({script[0]})"
     try:
         _launch(torchrun.parse_args(options_torchrun_knows(cmd, torchrun.get_args_parser())),
                 job_args, ns.worker_start,
-                config.distributed.recovery)
+                config.distributed.recovery if config is not None else "live", script)
     except SignalException as exc:
         # The agent passed the signal to the workers, which checkpointed and exited 0.
         # Non-zero here so that a restart policy brings a preempted node back.
         print(f"elastic-train: stopped by {exc.sigval.name}: the workers checkpointed at the "
-              f"step they reached; rerun the same command to resume (run dir {config.run_dir})",
-              file=sys.stderr)
+              f"step they reached; rerun the same command to resume{where}", file=sys.stderr)
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        print(f"elastic-train: job failed: {first_failure_line(exc)} (run dir {config.run_dir})",
-              file=sys.stderr)
+        print(f"elastic-train: job failed: {first_failure_line(exc)}{where}", file=sys.stderr)
         return 1
     except Exception as exc:  # rendezvous errors, ports in use, ...: one line, not a traceback
         line = rendezvous_failure_line(exc, backend=ns.rdzv_backend, endpoint=ns.rdzv_endpoint,

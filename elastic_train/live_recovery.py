@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -288,3 +289,25 @@ class LiveWorld:
         except (RuntimeError, ValueError, KeyError):
             return Failure([], None)
         return Failure(list(plan.failed_ranks), plan.detected_at, plan.cause, len(plan.lost))
+
+
+def live_needs_our_agent(silence: str) -> str:
+    """What a job asking for live recovery under plain torchrun is told, once."""
+    return ("live recovery needs elastic-train run (torchrun's agent restarts every worker "
+            "on any failure): this job restarts from its newest checkpoint instead "
+            f"({silence} says so and silences this line)")
+
+
+def live_world_for(recovery: str, env: WorkerEnv, backend: str, timeout_seconds: float,
+                   silence: str) -> LiveWorld | None:
+    """This worker's part in live recovery, when the job asks for it (``recovery`` is
+    ``live``) and its agent can; else None, and rank 0 of a plain torchrun job says why
+    once (``silence``: how the job asks for the restart path)."""
+    if recovery != "live" or not env.under_torchrun:
+        return None
+    if not env.live_recovery or not env.live_store:
+        if env.world_size > 1 and env.rank == 0 and env.restart_count == 0:
+            print(f"elastic_train: {live_needs_our_agent(silence)}", file=sys.stderr,
+                  flush=True)
+        return None
+    return LiveWorld(env, backend, timeout_seconds)

@@ -18,6 +18,7 @@ owns its step; the runtime owns what every rank must do in the same order around
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -49,6 +50,10 @@ from elastic_train.live_recovery import Failure, LiveWorld
 from elastic_train.preemption import StopRequest, node_stopped
 from elastic_train.rundir import RunDir
 from elastic_train.save_failure import SaveFailureStop
+
+OWN_FAILURE_GRACE = 2.0
+"""Seconds a step that failed outside a collective (the loop's own error) waits for a
+re-formation announced meanwhile before it fails the worker."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,8 @@ class WorkerRuntime:
         """Set when this worker's world re-forms in place after a lost worker."""
         self._previous: Incarnation | None = None
         self._installed = False
+        self._joined_at: float | None = None
+        """When this worker, started into a running world, joined it."""
 
     # ---- life cycle ------------------------------------------------------------------------
     def install(self) -> WorkerRuntime:
@@ -210,6 +217,39 @@ class WorkerRuntime:
         self.checkpoints.group = group
         self.save_failure.group = group
 
+    def failed_step(self, exc: BaseException) -> bool:
+        """After a step failed with ``exc``: whether the world re-forms in place (a new
+        generation was announced; go to ``recover``), else the error is the worker's own.
+
+        A failed collective may mean a lost peer, which only the agents can find out: the
+        agent is told at once and the announcement waited for (``ANNOUNCE_TIMEOUT``). Any
+        other error waits ``OWN_FAILURE_GRACE`` for a re-formation announced meanwhile."""
+        if self.live is None:
+            return False
+        collective = distributed.is_collective_failure(exc)
+        if collective:
+            self.live.report_failed_collective()
+        return self.live.announced(None if collective else OWN_FAILURE_GRACE) is not None
+
+    def recover(self, objects: Mapping[str, Stateful], first: Callable[[], Rejoined],
+                step: int | None) -> Rejoined:
+        """Re-form the world in place (``first``: ``rejoin`` or ``arrive``), again as often
+        as a member is lost meanwhile (a newer generation announced while the group forms
+        or the state is sent); ``step``: the step this member's state is at, None before
+        it received any. ``LiveRecoveryError`` and errors no announcement explains are
+        raised (the agent then restarts the job from its newest checkpoint)."""
+        assert self.live is not None
+        attempt = first
+        while True:
+            try:
+                return attempt()
+            except LiveRecoveryError:
+                raise
+            except Exception:
+                if self.live.announced() is None:
+                    raise
+            attempt = functools.partial(self.rejoin, objects, step=step)
+
     def rejoin(self, objects: Mapping[str, Stateful], *, step: int | None,
                attempted: int | None = None, failed_at: float | None = None) -> Rejoined:
         """A member of a world that re-forms (a worker or a node was lost, or one joins):
@@ -235,13 +275,23 @@ class WorkerRuntime:
                  "joined_at": time.time()}
         return self._share_and_report(objects, step, attempted, previous_world, marks)
 
+    def join_arriving(self) -> Group:
+        """A worker started into a running world, built: join it (``arrive`` does, unless
+        this came first: a loop that wraps its model in DDP before it restores)."""
+        assert self.live is not None
+        if self._joined_at is None:
+            self.live.ready_to_join()
+            self.set_group(self.live.join(), self.live.env)
+            self._joined_at = time.time()
+        return self.group
+
     def arrive(self, objects: Mapping[str, Stateful], started_at: float | None = None
                ) -> Rejoined:
         """A worker started into a running world: join it, receive the newest state from
         one of its members."""
-        assert self.live is not None
-        self.set_group(self.live.join(), self.live.env)
-        marks = {"process_start": started_at or time.time(), "joined_at": time.time()}
+        self.join_arriving()
+        assert self._joined_at is not None
+        marks = {"process_start": started_at or time.time(), "joined_at": self._joined_at}
         return self._share_and_report(objects, None, None, self.group.world_size, marks)
 
     def _share_and_report(self, objects: Mapping[str, Stateful], step: int | None,

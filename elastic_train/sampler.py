@@ -105,6 +105,11 @@ class ElasticBatchSampler:
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self._cursor = 0
+        """Offset in the epoch's order of the next batch handed out."""
+        self.reshards = 0
+        """How often the world re-formed under this sampler (a loader restarts its
+        iterator when this changes: what it read ahead is stale)."""
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` — unless it is the epoch being resumed, whose offset is kept."""
@@ -125,12 +130,27 @@ class ElasticBatchSampler:
         return self.sampler.consumed > 0 and len(self) == 0
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        order = self.sampler.order(self.sampler.epoch)
-        start = self.sampler.consumed
-        for offset in range(start, self.sampler.num_samples - self.batch_size + 1,
-                            self.batch_size):
+        epoch = self.sampler.epoch
+        self._cursor = self.sampler.consumed
+        while self.sampler.epoch == epoch:
+            offset = self._cursor
+            if offset + self.batch_size > self.sampler.num_samples:
+                return
+            self._cursor = offset + self.batch_size
             lo, hi = shard_bounds(self.batch_size, self.rank, self.world_size)
-            yield order[offset + lo:offset + hi].tolist()
+            yield self.sampler.order(epoch)[offset + lo:offset + hi].tolist()
+
+    @property
+    def read_ahead(self) -> int:
+        """Batches handed out and not yet trained on (a DataLoader's prefetch)."""
+        return max(0, (self._cursor - self.sampler.consumed) // self.batch_size)
+
+    def reshard(self, rank: int, world_size: int, batch_size: int) -> None:
+        """The world re-formed in place: this rank's new share, and the next batch handed
+        out is the next one to train on (the step in flight is redone)."""
+        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
+        self._cursor = self.sampler.consumed
+        self.reshards += 1
 
     def advance(self) -> None:
         """Record that one more global batch was trained on."""

@@ -24,16 +24,30 @@ node's workers exit 0; the others' ``close()`` raises ``NodeStoppedError`` (a no
 exit), so that their agents re-form the world without it. ``on_save_failure="stop"`` makes
 a checkpoint that rank 0 cannot write stop every rank at the same step: ``step()`` raises
 ``CheckpointStopError`` with one line saying what to fix.
+
+Live recovery (under ``elastic-train run SCRIPT``, live_agent.py): a worker or node lost,
+or a node joining, re-forms the world in place, with the same protocol as the built-in
+trainer (runtime.py: ``failed_step``, ``recover``). A hand-written loop's step has no commit
+point before ``optimizer.step()``, so the session makes one: ``wrap(model)`` gives DDP a
+gradient all-reduce that records a failure instead of raising it
+(``distributed.forgiving_allreduce_hook``), the ``step()`` of the registered optimizers and
+LR schedulers does nothing in a step that failed, and ``step(loss)`` then re-forms the
+world: the survivors keep their processes and state, the lowest rank holding the newest
+step sends it to the others, the sampler and the session's DataLoader go back to the step
+in flight (redone, nothing else), and the DDP module moves to the new process group.
 """
 
 from __future__ import annotations
 
 import sys
+import time
+import types
 from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any, overload
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from elastic_train import distributed
@@ -42,14 +56,24 @@ from elastic_train.checkpoint.export import check_weights_file, write_weights
 from elastic_train.checkpoint.manager import CheckpointManager, Stateful
 from elastic_train.config import SAVE_FAILURE_POLICIES, CheckpointConfig
 from elastic_train.determinism import make_deterministic
+from elastic_train.distributed import Group, StepFailures
 from elastic_train.env import WorkerEnv, read_worker_env
-from elastic_train.errors import ConfigError
+from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.event_schema import Step
 from elastic_train.events import EventLog
+from elastic_train.live_recovery import live_world_for
 from elastic_train.rundir import RunDir
 from elastic_train.runtime import WorkerRuntime
 from elastic_train.sampler import ElasticBatchSampler
 from elastic_train.seeding import derive_seed
+from elastic_train.timeline import process_start_time
+from elastic_train.worker_start import name_process
+
+RECOVERY_MODES = ("live", "restart")
+LIVE_NEEDS_WRAP = ("live recovery needs the model wrapped by session.wrap(model) (in place "
+                   "of DDP(model)), before restore(): this job restarts from its newest "
+                   "checkpoint on a failure instead (ElasticSession(..., recovery=\"restart\") "
+                   "says so and silences this line)")
 
 
 class _Counter:
@@ -63,6 +87,35 @@ class _Counter:
         self.step = int(state["step"])
 
 
+class _ElasticDataLoader(DataLoader):
+    """The session's DataLoader: its iterator starts again at the step to train on when
+    the world re-formed in place (what it read ahead, prefetched by its worker processes,
+    was cut for the old world or belongs to a step now redone)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return _RestartingIterator(self)
+
+
+class _RestartingIterator:
+    def __init__(self, loader: _ElasticDataLoader) -> None:
+        self._loader = loader
+        self._sampler = loader.batch_sampler
+        self._seen = self._sampler.reshards
+        self._inner = DataLoader.__iter__(loader)
+
+    def __iter__(self) -> _RestartingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._sampler.reshards != self._seen:
+            self._seen = self._sampler.reshards
+            self._inner = DataLoader.__iter__(self._loader)
+        return next(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._sampler)
+
+
 class ElasticSession:
     """The process group, a resumable sampler and checkpoints for a hand-written loop."""
 
@@ -70,13 +123,16 @@ class ElasticSession:
                  checkpoint_interval: float | None = None, keep_checkpoints: int = 3,
                  seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
                  preemption_budget: float | None = 25.0, on_save_failure: str = "continue",
-                 deterministic: bool = False, env: WorkerEnv | None = None) -> None:
+                 deterministic: bool = False, recovery: str = "live",
+                 env: WorkerEnv | None = None) -> None:
         """``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit (keep
         it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python.
         ``on_save_failure``: ``continue`` (train on, keep the last good checkpoint, warn)
         or ``stop`` (every rank stops at the same step; see the module docstring).
         ``deterministic``: deterministic CUDA kernels (determinism.py), for a bitwise
-        resume on a GPU."""
+        resume on a GPU. ``recovery``: ``live`` (re-form the world in place, under
+        ``elastic-train run``; see the module docstring) or ``restart`` (every failure
+        restarts the workers from the newest checkpoint)."""
         if checkpoint_every is not None and checkpoint_every <= 0:
             raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
                               "positive number of steps, or None")
@@ -86,23 +142,53 @@ class ElasticSession:
         if on_save_failure not in SAVE_FAILURE_POLICIES:
             raise ConfigError(f"on_save_failure {on_save_failure!r} is invalid: use one of "
                               f"{', '.join(SAVE_FAILURE_POLICIES)}")
+        if recovery not in RECOVERY_MODES:
+            raise ConfigError(f"recovery {recovery!r} is invalid: use one of "
+                              f"{', '.join(RECOVERY_MODES)}")
         if deterministic:
             make_deterministic()
-        self.env = env or read_worker_env()
+        env = env or read_worker_env()
+        self.live = live_world_for(recovery, env, backend, timeout_seconds,
+                                   'ElasticSession(..., recovery="restart")')
+        if self.live is not None:  # this worker's place comes from its agent's plan
+            env = self.live.env
+            name_process(env.rank)
         self.run_dir = Path(run_dir)
         self.seed = seed
         layout = RunDir(self.run_dir)
-        if self.env.rank == 0:
+        if env.rank == 0:
             layout.prepare()
-        self.group = distributed.init_group(self.env, backend, timeout_seconds)
+        if self.live is not None and self.live.arriving:  # joins once its model is built
+            group = self.live.provisional_group()
+        elif self.live is not None:
+            group = self.live.join()
+        else:
+            group = distributed.init_group(env, backend, timeout_seconds)
         policy = CheckpointConfig(checkpoint_every, checkpoint_interval, keep_checkpoints,
                                   on_save_failure=on_save_failure)
-        self.runtime = WorkerRuntime(layout, self.env, self.group, policy,
+        self.runtime = WorkerRuntime(layout, env, group, policy,
                                      preemption_budget=preemption_budget,
                                      save_failure_option="on_save_failure").install()
+        self.runtime.live = self.live
         self._counter = _Counter()
+        self._calls = 0
+        """``step()`` calls, failed steps included (``steps()`` checks them)."""
         self._objects: dict[str, Stateful] = {}
         self._sampler: ElasticBatchSampler | None = None
+        self._batch_sizes: tuple[int | None, int | None] = (None, None)
+        self._own_loader = False
+        self._ddps: list[DistributedDataParallel] = []
+        self._failures = StepFailures()
+
+    @property
+    def env(self) -> WorkerEnv:
+        """This worker's place in the job (rank, world, node); live recovery changes it."""
+        return self.runtime.env
+
+    @property
+    def group(self) -> Group:
+        """This worker's process group (a new one after each live recovery)."""
+        return self.runtime.group
 
     @property
     def events(self) -> EventLog:
@@ -145,8 +231,10 @@ class ElasticSession:
         global generator whenever an epoch starts, and a resumed run's dropout shifts.
         """
         total = global_batch(batch_size, global_batch_size, self.world_size)
+        self._batch_sizes = (batch_size, global_batch_size)
         self._sampler = ElasticBatchSampler(len(dataset), total, self.rank, self.world_size,
                                             self.seed)
+        self._own_loader = False
         return self._sampler
 
     def dataloader(self, dataset: Sized, batch_size: int | None = None, *,
@@ -163,7 +251,30 @@ class ElasticSession:
         """
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "dataloader"))
         sampler = self.sampler(dataset, batch_size, global_batch_size=global_batch_size)
-        return DataLoader(dataset, batch_sampler=sampler, generator=generator, **kwargs)
+        self._own_loader = True
+        return _ElasticDataLoader(dataset, batch_sampler=sampler, generator=generator,
+                                  **kwargs)
+
+    def wrap(self, model: torch.nn.Module, **ddp_options: Any) -> DistributedDataParallel:
+        """``DistributedDataParallel(model)`` on this session's world (was: ``DDP(model)``).
+
+        Call it before ``restore()``. Under live recovery, the session keeps this DDP
+        module across re-formations (it moves to each new process group) and makes its
+        gradient all-reduce one whose failure the session recovers from (module
+        docstring). ``ddp_options`` go to DDP (``device_ids`` defaults to this worker's GPU).
+        """
+        in_sync = False
+        if self.live is not None and self.live.arriving:
+            # Started into a running world: built, it joins; restore() receives the state.
+            self.runtime.join_arriving()
+            in_sync = True
+        if self.device.type == "cuda":
+            ddp_options.setdefault("device_ids", [self.device.index])
+        ddp = DistributedDataParallel(model, init_sync=not in_sync, **ddp_options)
+        if self.live is not None:
+            ddp.register_comm_hook(self._failures, distributed.forgiving_allreduce_hook)
+        self._ddps.append(ddp)
+        return ddp
 
     def restore(self, **objects: Stateful) -> int:
         """Register what to checkpoint (``model=`` is required) and load the newest checkpoint.
@@ -175,10 +286,46 @@ class ElasticSession:
         self._objects = {**objects, "session": self._counter}
         if self._sampler is not None:
             self._objects["sampler"] = self._sampler
-        self.runtime.start(total_steps=None)
-        restored = self.runtime.restore(self._objects)
+        live = self.live
+        if live is not None and not self._ddps:
+            if self.rank == 0:
+                print(f"elastic_train: {LIVE_NEEDS_WRAP}", file=sys.stderr, flush=True)
+            live.close()
+            self.live = self.runtime.live = None
+            live = None
+        if live is not None and live.arriving:
+            started = process_start_time()
+            self.runtime.recover(self._objects,
+                                 lambda: self.runtime.arrive(self._objects, started), None)
+            self._follow_world()
+            step = self.step_count
+        else:
+            self.runtime.start(total_steps=None)
+            restored = self.runtime.restore(self._objects)
+            step = 0 if restored is None else restored.step
+        if live is not None:
+            for obj in objects.values():
+                if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+                    self._skip_failed_steps(obj)
+            live.ready()
+            live.start()
         torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
-        return 0 if restored is None else restored.step
+        return step
+
+    def _skip_failed_steps(self, obj: Any) -> None:
+        """Make ``obj.step()`` do nothing in a step whose gradient all-reduce failed: its
+        gradients are not the step's (the commit point a hand-written loop lacks)."""
+        original = obj.step
+        failures = self._failures
+
+        def step(_: Any, *args: Any, **kwargs: Any) -> Any:
+            if failures.error is not None:
+                return None
+            return original(*args, **kwargs)
+
+        # A bound method, as torch's LR schedulers expect of optimizer.step when they
+        # wrap it to count the calls.
+        obj.step = types.MethodType(step, obj)
 
     def epochs(self, count: int) -> Iterator[int]:
         """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.
@@ -216,8 +363,8 @@ class ElasticSession:
             return
         if loader is None:
             while self.step_count < total and self.stopped_at is None:
-                before = self.step_count
-                yield before
+                before = self._calls
+                yield self.step_count
                 self._check_stepped(before)
             return
         if self._sampler is None or loader.batch_sampler is not self._sampler:
@@ -233,15 +380,15 @@ class ElasticSession:
             for batch in loader:
                 if self.step_count >= total or self.stopped_at is not None:
                     return
-                before = self.step_count
-                yield before, batch
+                before = self._calls
+                yield self.step_count, batch
                 self._check_stepped(before)
             epoch += 1
 
-    def _check_stepped(self, before: int) -> None:
-        if self.step_count == before and self.stopped_at is None:
-            raise ConfigError(f"step {before} ended without session.step(): call it once "
-                              "per step of a steps() loop, after optimizer.step()")
+    def _check_stepped(self, calls_before: int) -> None:
+        if self._calls == calls_before and self.stopped_at is None:
+            raise ConfigError(f"step {self.step_count} ended without session.step(): call it "
+                              "once per step of a steps() loop, after optimizer.step()")
 
     def _first_epoch(self) -> int:
         if self._sampler is None:
@@ -268,19 +415,68 @@ class ElasticSession:
         if self.stopped_at is not None:
             raise ConfigError(f"step() after the stop at step {self.stopped_at}: leave the "
                               "training loop when step() returns True, then call close()")
+        self._calls += 1
+        failure = self._failures.take()
+        if failure is not None:  # this step's gradient all-reduce failed: not applied
+            failed_at = time.time()
+            if not self.runtime.failed_step(failure):
+                raise failure
+            self._recover_in_place(failed_at, attempted=self.step_count + 1)
+            return False
         self._counter.step += 1
         if self._sampler is not None:
             self._sampler.advance()
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         self.events.emit(Step(step=self.step_count, loss=value, world_size=self.world_size,
                               restart=self.env.restart_count))
-        vote = self.runtime.vote()
+        try:
+            vote = self.runtime.vote()
+        except Exception as exc:  # this step is applied here: the others may take it
+            failed_at = time.time()
+            if not self.runtime.failed_step(exc):
+                raise
+            self._recover_in_place(failed_at)
+            return False
         if vote.ends_loop:
             self.runtime.end(self.step_count, self._objects, vote)
             return True
         self.runtime.save_if_due(self.step_count, self._objects)
+        if vote.reform:  # a node is ready to join: re-form at this step boundary
+            self._recover_in_place(time.time())
         torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
         return False
+
+    def _recover_in_place(self, failed_at: float, *, attempted: int | None = None) -> None:
+        """Re-form the world with the workers of the new generation, keeping this process
+        and its state (runtime.recover); ``attempted``: the step that failed here before
+        it was applied (redone unless a member finished it), None when this process holds
+        its last step applied (a step boundary, or a failed vote after it)."""
+        if self._sampler is not None and not self._own_loader and self._sampler.read_ahead > 1:
+            raise LiveRecoveryError(
+                f"the DataLoader read {self._sampler.read_ahead} batches ahead of the step "
+                "(worker processes), cut for the old world: build it with "
+                "session.dataloader(...), which starts again at the step to redo; the job "
+                "restarts from its newest checkpoint")
+        for obj in self._objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
+        step = self.step_count
+        self.runtime.recover(
+            self._objects,
+            lambda: self.runtime.rejoin(self._objects, step=step, attempted=attempted,
+                                        failed_at=failed_at),
+            step)
+        self._follow_world()
+
+    def _follow_world(self) -> None:
+        """After a re-formation: DDP on the new process group, the sampler's share of the
+        new world from the step to train on, that step's randomness."""
+        for ddp in self._ddps:
+            distributed.renew_ddp(ddp)
+        if self._sampler is not None:
+            total = global_batch(*self._batch_sizes, self.world_size)
+            self._sampler.reshard(self.rank, self.world_size, total)
+        torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
 
     def close(self, export: str | Path | None = None) -> None:
         """Write the final checkpoint, wait for every rank, and leave the process group.

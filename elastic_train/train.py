@@ -13,18 +13,19 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.config import JobConfig, parse_job_args
+from elastic_train.config import parse_job_args
 from elastic_train.determinism import make_deterministic
 from elastic_train.distributed import abandoned_groups, destroy_group, init_group
-from elastic_train.env import WorkerEnv, read_worker_env
+from elastic_train.env import read_worker_env
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
-from elastic_train.live_recovery import LiveWorld
+from elastic_train.live_recovery import live_world_for
 from elastic_train.metrics_server import WorkerEndpoint, serve_worker_metrics
 from elastic_train.process_exit import exit_process
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task
 from elastic_train.trainer import Trainer
+from elastic_train.worker_start import name_process
 
 IMPORTED = time.time()  # start-up timeline: imports done
 
@@ -38,16 +39,6 @@ def _setup_logging(rank: int) -> None:
     logger.propagate = False
 
 
-def _name_process(rank: int) -> None:
-    """Show the rank in ps/top (``et-rank-N``); Linux only, silently skipped elsewhere."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, f"et-rank-{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
 def _record_for_agent(exc: BaseException) -> None:
     """Leave the error where torch's agent reports it (TORCHELASTIC_ERROR_FILE)."""
     try:
@@ -56,23 +47,6 @@ def _record_for_agent(exc: BaseException) -> None:
         ErrorHandler().record_exception(exc)
     except Exception:  # reporting must never hide the original error
         pass
-
-
-LIVE_NEEDS_OUR_AGENT = ("live recovery needs elastic-train run (torchrun's agent restarts "
-                        "every worker on any failure): this job restarts from its newest "
-                        "checkpoint instead (--recovery restart says so and silences this "
-                        "line)")
-
-
-def _live_world(config: JobConfig, env: WorkerEnv) -> LiveWorld | None:
-    """This worker's part in live recovery, when the job asks for it and its agent can."""
-    if config.distributed.recovery != "live" or not env.under_torchrun:
-        return None
-    if not env.live_recovery or not env.live_store:
-        if env.world_size > 1 and env.rank == 0 and env.restart_count == 0:
-            print(f"elastic_train: {LIVE_NEEDS_OUR_AGENT}", file=sys.stderr, flush=True)
-        return None
-    return LiveWorld(env, config.distributed.backend, config.distributed.timeout_seconds)
 
 
 @record
@@ -87,10 +61,11 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
     linger = 0.0
     try:
         config = parse_job_args(sys.argv[1:] if argv is None else argv)
-        live = _live_world(config, env)
+        live = live_world_for(config.distributed.recovery, env, config.distributed.backend,
+                              config.distributed.timeout_seconds, "--recovery restart")
         if live is not None:  # this worker's place comes from its agent's plan
             env = live.env
-        _name_process(env.rank)
+        name_process(env.rank)
         _setup_logging(env.rank)
         if config.train.deterministic:
             make_deterministic()

@@ -11,7 +11,6 @@ batch and the learning rate become; every step event records both.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -30,7 +29,7 @@ from elastic_train.checkpoint.manager import Restored
 from elastic_train.config import JobConfig
 from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
-from elastic_train.errors import ConfigError, LiveRecoveryError
+from elastic_train.errors import ConfigError
 from elastic_train.event_schema import BatchPlan as BatchPlanEvent
 from elastic_train.event_schema import Hang, Startup, Step
 from elastic_train.events import EventLog, EventObserver, read_events
@@ -46,11 +45,6 @@ from elastic_train.timeline import process_start_time
 from elastic_train.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
-
-OWN_FAILURE_GRACE = 2.0
-"""Seconds a step that failed outside a collective (the task's own error) waits for a
-re-formation announced meanwhile before it fails the worker."""
-
 
 @dataclass
 class TrainerState:
@@ -233,7 +227,6 @@ class Trainer:
         if arriving:
             assert live is not None
             # Started into a running world: built, it joins, and a member sends the state.
-            live.ready_to_join()
             self._rejoin(lambda: self.runtime.arrive(self._stateful(),
                                                      self._marks.get("process_start")),
                          has_state=False)
@@ -260,12 +253,7 @@ class Trainer:
                 loss, vote = self._step(ddp)
             except Exception as exc:
                 failed_at = time.time()
-                if live is None:
-                    raise
-                collective = distributed.is_collective_failure(exc)
-                if collective:  # a peer may be gone: its agent finds out and re-forms
-                    live.report_failed_collective()
-                if live.announced(None if collective else OWN_FAILURE_GRACE) is None:
+                if not self.runtime.failed_step(exc):
                     raise
                 lost_peer = True
             else:
@@ -345,20 +333,8 @@ class Trainer:
         """Re-form the world (``first``), again as often as a member is lost meanwhile (a
         newer generation announced while the group forms or the state is sent); this
         worker's group and place follow."""
-        live = self.runtime.live
-        assert live is not None
-        attempt = first
-        while True:
-            try:
-                rejoined = attempt()
-                break
-            except LiveRecoveryError:
-                raise
-            except Exception:
-                if live.announced() is None:
-                    raise
-            attempt = functools.partial(self.runtime.rejoin, self._stateful(),
-                                        step=self.state.step if has_state else None)
+        rejoined = self.runtime.recover(self._stateful(), first,
+                                        self.state.step if has_state else None)
         if self.group.rank != rejoined.group.rank and self._samples_file is not None:
             self._samples_file.close()  # each rank's samples go to its own file
             self._samples_file = None

@@ -28,7 +28,19 @@ from elastic_train.agent_env import (
 
 # Imported once by the forkserver; every (re)started worker is forked with them loaded.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
-           "elastic_train.train", "elastic_train.tasks.gpt"]
+           "elastic_train.train", "elastic_train.tasks.gpt", "elastic_train.script_worker"]
+
+
+def name_process(rank: int) -> None:
+    """Show a worker's rank in ps/top (``et-rank-N``); Linux only, silently skipped
+    elsewhere. (A forked worker's environment in /proc is its server's: the name is what
+    tells the workers apart.)"""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, f"et-rank-{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def prepare_environment(nproc_per_node: str) -> None:

@@ -1,7 +1,8 @@
-"""AFTER: the same loop made fault-tolerant with elastic_train (six lines changed, and a
+"""AFTER: the same loop made fault-tolerant with elastic_train (seven lines changed, and a
 stop on SIGTERM).
 
     torchrun --nproc-per-node 2 --max-restarts 3 examples/ddp_tutorial_elastic.py
+    elastic-train run --nproc-per-node 2 examples/ddp_tutorial_elastic.py   # live recovery
 
 Checkpoints are atomic and checksummed, written every 20 steps; a restart resumes from the
 newest valid one mid-epoch, with no sample repeated or skipped and dropout randomness
@@ -14,7 +15,6 @@ import sys
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 from elastic_train import ElasticSession
@@ -43,22 +43,22 @@ def main() -> None:
     session = ElasticSession(RUN_DIR, checkpoint_every=20)          # 1: was init_process_group
     torch.manual_seed(0)
     model = ToyModel()
-    ddp_model = DDP(model)
+    ddp_model = session.wrap(model)                                 # 2: was DDP(model)
     dataset = make_dataset()
-    loader = session.dataloader(dataset, batch_size=32)             # 2: was DistributedSampler
+    loader = session.dataloader(dataset, batch_size=32)             # 3: was DistributedSampler
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
-    session.restore(model=model, optimizer=optimizer)               # 3: was barrier + torch.load
-    for epoch in session.epochs(EPOCHS):                            # 4: was range + set_epoch
+    session.restore(model=model, optimizer=optimizer)               # 4: was barrier + torch.load
+    for epoch in session.epochs(EPOCHS):                            # 5: was range + set_epoch
         for x, y in loader:
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp_model(x), y)
             loss.backward()
             optimizer.step()
-            if session.step(loss):                                  # 5: counts, checkpoints;
+            if session.step(loss):                                  # 6: counts, checkpoints;
                 break                                               # True: SIGTERM, stop now
         if session.rank == 0:
             print(f"epoch {epoch} loss {loss.item():.4f}")
-    session.close()                                                 # 6: was rank-0 torch.save
+    session.close()                                                 # 7: was rank-0 torch.save
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.train import LIVE_NEEDS_OUR_AGENT
+from elastic_train.live_recovery import live_needs_our_agent
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow
@@ -131,7 +131,7 @@ def test_plain_torchrun_survives_a_kill_exactly(reference: tuple[str, Path],
     assert restarted_from(job) == [10]
     assert harness.final_digest(run_dir) == reference[0]
     assert "restarts survived 1 (5 steps redone)" in job.output()
-    assert job.output().count(f"elastic_train: {LIVE_NEEDS_OUR_AGENT}") == 1
+    assert job.output().count(f"elastic_train: {live_needs_our_agent('--recovery restart')}") == 1
 
 
 def test_reference_sees_each_sample_once_per_epoch(reference: tuple[str, Path]) -> None:
