@@ -315,17 +315,30 @@ class ElasticSession:
     def _skip_failed_steps(self, obj: Any) -> None:
         """Make ``obj.step()`` do nothing in a step whose gradient all-reduce failed: its
         gradients are not the step's (the commit point a hand-written loop lacks)."""
-        original = obj.step
         failures = self._failures
+        if isinstance(obj, torch.optim.Optimizer):
+            original = obj.step
 
-        def step(_: Any, *args: Any, **kwargs: Any) -> Any:
+            def step(_: Any, *args: Any, **kwargs: Any) -> Any:
+                if failures.error is not None:
+                    return None
+                return original(*args, **kwargs)
+
+            # A bound method, as torch's LR schedulers expect of optimizer.step when they
+            # wrap it to count the calls.
+            obj.step = types.MethodType(step, obj)
+            return
+        # An LR scheduler's state_dict() is its __dict__: the gate goes in a subclass.
+        base = type(obj)
+
+        def scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
             if failures.error is not None:
                 return None
-            return original(*args, **kwargs)
+            return base.step(scheduler, *args, **kwargs)
 
-        # A bound method, as torch's LR schedulers expect of optimizer.step when they
-        # wrap it to count the calls.
-        obj.step = types.MethodType(step, obj)
+        obj.__class__ = type(base.__name__, (base,), {
+            "step": scheduler_step, "__module__": base.__module__,
+            "__qualname__": base.__qualname__})
 
     def epochs(self, count: int) -> Iterator[int]:
         """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.

@@ -1,0 +1,181 @@
+"""Live recovery of a hand-written loop (``ElasticSession`` under ``elastic-train run
+SCRIPT``): the same guarantees as the built-in trainer's (test_live_recovery.py,
+test_multinode.py), with real workers, real SIGKILLs and a real c10d rendezvous of two
+agents on this machine.
+
+The loop is session_live_loop.py: a step loop over the session's DataLoader with an LR
+scheduler, recording the samples each rank starts each step with, and the generation of
+the world it trains in.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_train.sampler import epoch_order
+from tests.etcd_server import free_port
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("session_live_loop.py")
+SAMPLES, GLOBAL_BATCH, SEED = 256, 16, 0
+TIMEOUT = 120
+FAST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+
+
+def script_run(run_dir: Path, steps: int, pace: float, launcher: list[str] | None = None,
+               name: str | None = None) -> harness.Job:
+    """``elastic-train run [launcher] session_live_loop.py RUN_DIR STEPS PACE``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "elastic_train", "run",
+            *(launcher or ["--nproc-per-node", "2"]), str(SCRIPT), str(run_dir), str(steps),
+            str(pace)]
+    return harness.start(argv, run_dir, log_name=name)
+
+
+def effective_steps(run_dir: Path) -> dict[int, list[int]]:
+    """{step: the global batch's indices} from the records of the newest generation that
+    started the step (a step redone in a newer world counts there)."""
+    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for path in run_dir.glob("samples-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_step[record["step"]][record["generation"]].append(record)
+    steps = {}
+    for step, generations in by_step.items():
+        records = sorted(generations[max(generations)], key=lambda r: r["rank"])
+        world = records[0]["world_size"]
+        assert [r["rank"] for r in records] == list(range(world)), (step, records)
+        steps[step] = [i for r in records for i in r["indices"]]
+    return steps
+
+
+def assert_each_sample_once_in_order(run_dir: Path, total: int) -> None:
+    steps = effective_steps(run_dir)
+    assert sorted(steps) == list(range(1, total + 1))
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for epoch in range((total + per_epoch - 1) // per_epoch):
+        used = [i for s in range(epoch * per_epoch + 1, min(total, (epoch + 1) * per_epoch) + 1)
+                for i in steps[s]]
+        assert used == epoch_order(SAMPLES, SEED, epoch).tolist()[:len(used)], epoch
+
+
+def _new_pid(job: harness.Job, rank: int, old: int, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = harness.workers_of(job.proc.pid).get(rank)
+        if pid is not None and pid != old:
+            return pid
+        time.sleep(0.005)
+    raise AssertionError(f"rank {rank} was not started again within {timeout}s:\n"
+                         f"{job.report()}")
+
+
+def _step(n: int):
+    return lambda e: e["event"] == "step" and e["step"] == n
+
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    run_dir = tmp_path_factory.mktemp("session-reference") / "run"
+    job = script_run(run_dir, STEPS, 0.0)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    return harness.digest_at(run_dir, STEPS)
+
+
+def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
+        reference: str, tmp_path: Path) -> None:
+    """Rank 1 killed mid-run, then rank 0 (the checkpoint writer) right after a checkpoint
+    step: each time only the dead worker starts again, the survivor keeps its process and
+    sends the state, at most the step in flight is redone, no checkpoint is loaded, each
+    sample is used once per epoch, and the weights are those of a run never killed."""
+    run_dir = tmp_path / "run"
+    job = script_run(run_dir, STEPS, 0.03)
+    kept = []
+    try:
+        job.wait_for_event(_step(12), TIMEOUT)
+        pids = job.worker_pids()
+        job.kill_worker(1)
+        _new_pid(job, 1, pids[1])
+        job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
+        kept.append(job.worker_pids()[0] == pids[0])
+        job.wait_for_event(_step(30), TIMEOUT)               # a checkpoint is due at 30
+        pids = job.worker_pids()
+        job.kill_worker(0)
+        _new_pid(job, 0, pids[0])
+        job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 30, TIMEOUT)
+        kept.append(job.worker_pids()[1] == pids[1])
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert kept == [True, True], job.report()
+    events = job.events()
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names, job.report()
+    recoveries = [e for e in events if e["event"] == "recovery"]
+    assert [(e["kind"], e["failed_ranks"]) for e in recoveries] == \
+        [("live", [1]), ("live", [0])], recoveries
+    assert all(e["steps_redone"] <= 1 and e["bytes"] > 0 for e in recoveries), recoveries
+    assert_each_sample_once_in_order(run_dir, STEPS)
+    assert harness.digest_at(run_dir, STEPS) == reference
+    assert "live recovery: rank 1 started again" in job.output()
+
+
+def test_a_hand_written_loop_grows_and_shrinks_in_place_across_c10d_nodes(
+        tmp_path: Path) -> None:
+    """Two agents on c10d (node-a hosts the store): node-a trains alone, node-b joins (the
+    survivor pauses at a step boundary, nothing redone, node-b's worker receives the
+    state), then node-b is killed (node-a re-forms alone, at most the step in flight
+    redone). Node-a's worker keeps its process throughout, no checkpoint is loaded, and
+    each sample is used once per epoch across both resizes."""
+    run_dir, port, steps = tmp_path / "run", free_port(), 400
+
+    def node(name: str) -> harness.Job:
+        conf = f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
+        return script_run(run_dir, steps, 0.03, [
+            "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={tmp_path.name}", f"--rdzv-conf={conf}"], name)
+
+    a = node("node-a")
+    nodes = [a]
+    try:
+        a.wait_for_event(_step(5), TIMEOUT)
+        pids = [a.worker_pids()[0]]
+        nodes.append(b := node("node-b"))
+        grown = a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 2,
+                                 TIMEOUT)
+        a.wait_for_event(_step(grown["step"] + 10), TIMEOUT)
+        pids.append(harness.workers_of(a.proc.pid)[0])
+        b.kill_node()
+        a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 1
+                         and e["step"] > grown["step"], TIMEOUT)
+        pids.append(harness.workers_of(a.proc.pid)[0])
+        assert a.wait(TIMEOUT) == 0, a.report()
+    finally:
+        for n in nodes:
+            n.stop()
+    assert pids[0] == pids[1] == pids[2], a.report()
+    events = a.events()
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names, a.report()
+    recoveries = {e["cause"]: e for e in events if e["event"] == "recovery"}
+    joined, lost = recoveries["node joined"], recoveries["node lost"]
+    assert (joined["kind"], joined["steps_redone"], joined["world_size"]) == ("live", 0, 2)
+    assert (lost["kind"], lost["steps_redone"] <= 1, lost["world_size"]) == ("live", True, 1)
+    assert joined["bytes"] > 0
+    resizes = [(e["old_world_size"], e["new_world_size"]) for e in events
+               if e["event"] == "resize"]
+    assert resizes == [(1, 2), (2, 1)], resizes
+    assert_each_sample_once_in_order(run_dir, steps)
