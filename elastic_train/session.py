@@ -288,7 +288,7 @@ class ElasticSession:
             self._objects["sampler"] = self._sampler
         live = self.live
         if live is not None and not self._ddps:
-            if self.rank == 0:
+            if self.rank == 0 and self.env.restart_count == 0:  # once per job
                 print(f"elastic_train: {LIVE_NEEDS_WRAP}", file=sys.stderr, flush=True)
             live.close()
             self.live = self.runtime.live = None

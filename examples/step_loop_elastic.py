@@ -13,7 +13,6 @@ import sys
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_train import ElasticSession
 
@@ -25,7 +24,7 @@ def main() -> None:
     session = ElasticSession(RUN_DIR, checkpoint_every=50)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
-    ddp_model = DDP(model)
+    ddp_model = session.wrap(model)                  # was: DDP(model)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
     target = torch.randn(10, 1, generator=torch.Generator().manual_seed(1))
     session.restore(model=model, optimizer=optimizer)

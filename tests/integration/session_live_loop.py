@@ -1,12 +1,13 @@
 """A hand-written loop on ElasticSession for the live-recovery tests (test_session_live.py).
 
-    elastic-train run [options] session_live_loop.py RUN_DIR STEPS PACE_SECONDS
+    elastic-train run [options] session_live_loop.py RUN_DIR STEPS PACE_SECONDS [plain-ddp]
 
 A step loop over the session's DataLoader (a global batch of 16, the same at any world
 size) with an LR scheduler. Each rank records the sample indices of every step it starts,
 before its gradients are reduced, with the generation of the world it trains in: a step
 redone in a newer generation is recorded again, and the newest generation's records are
-the ones that made the weights.
+the ones that made the weights. ``plain-ddp`` wraps the model in DDP itself instead of
+``session.wrap``: live recovery is then impossible, and the job takes the restart path.
 """
 
 import json
@@ -16,11 +17,13 @@ import time
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from elastic_train import ElasticSession
 
 RUN_DIR, STEPS, PACE = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+PLAIN_DDP = sys.argv[4:] == ["plain-ddp"]
 SAMPLES = 256
 GLOBAL_BATCH = 16
 
@@ -44,7 +47,7 @@ def main() -> None:
     session = ElasticSession(RUN_DIR, checkpoint_every=10, keep_checkpoints=100)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
-    ddp = session.wrap(model)
+    ddp = DistributedDataParallel(model) if PLAIN_DDP else session.wrap(model)
     loader = session.dataloader(Indexed(), global_batch_size=GLOBAL_BATCH)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s / 50))

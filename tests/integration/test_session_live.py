@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from elastic_train.sampler import epoch_order
+from elastic_train.session import LIVE_NEEDS_WRAP
 from tests.etcd_server import free_port
 from tests.integration import harness
 
@@ -32,12 +33,12 @@ FAST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_
 
 
 def script_run(run_dir: Path, steps: int, pace: float, launcher: list[str] | None = None,
-               name: str | None = None) -> harness.Job:
-    """``elastic-train run [launcher] session_live_loop.py RUN_DIR STEPS PACE``."""
+               name: str | None = None, extra: tuple[str, ...] = ()) -> harness.Job:
+    """``elastic-train run [launcher] session_live_loop.py RUN_DIR STEPS PACE [extra]``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "elastic_train", "run",
             *(launcher or ["--nproc-per-node", "2"]), str(SCRIPT), str(run_dir), str(steps),
-            str(pace)]
+            str(pace), *extra]
     return harness.start(argv, run_dir, log_name=name)
 
 
@@ -130,6 +131,26 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
     assert_each_sample_once_in_order(run_dir, STEPS)
     assert harness.digest_at(run_dir, STEPS) == reference
     assert "live recovery: rank 1 started again" in job.output()
+
+
+def test_a_loop_on_plain_ddp_says_why_and_takes_the_restart_path(reference: str,
+                                                                 tmp_path: Path) -> None:
+    """``DDP(model)`` instead of ``session.wrap(model)``: the session cannot recover in
+    place; rank 0 says so once, and a killed worker restarts every worker from the newest
+    checkpoint, still exact."""
+    run_dir = tmp_path / "run"
+    job = script_run(run_dir, STEPS, 0.03, extra=("plain-ddp",))
+    try:
+        job.wait_for_event(_step(15), TIMEOUT)
+        job.kill_worker(1)
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    events = job.events()
+    assert [e["kind"] for e in events if e["event"] == "recovery"] == ["restart"]
+    assert [e["step"] for e in events if e["event"] == "checkpoint_loaded"] == [10]
+    assert job.output().count(f"elastic_train: {LIVE_NEEDS_WRAP}") == 1, job.report()
+    assert harness.digest_at(run_dir, STEPS) == reference
 
 
 def test_a_hand_written_loop_grows_and_shrinks_in_place_across_c10d_nodes(

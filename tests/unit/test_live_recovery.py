@@ -218,3 +218,69 @@ def test_live_workers_keep_their_process_on_an_nccl_error_unless_the_job_says_ot
     chosen = live_worker_env(own, "127.0.0.1:5000",
                              agent_env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
     assert chosen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+class _Crossed(torch.nn.Module):
+    """Parameters defined in one order and used in the other: DDP's buckets rebuilt in
+    the first iteration (the order the gradients come) differ from a new DDP's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.b(x))
+
+
+def _buckets(ddp: torch.nn.parallel.DistributedDataParallel) -> list[list[str]]:
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    return [[names[id(p)] for p in bucket.parameters()]
+            for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def test_a_renewed_ddp_has_the_buckets_of_a_new_one_and_keeps_its_hook() -> None:
+    """After a re-formation a survivor renews its DDP while a worker that joins builds one:
+    both must reduce the same parameters in the same slots."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        failures = distributed.StepFailures()
+        trained = torch.nn.parallel.DistributedDataParallel(_Crossed(), bucket_cap_mb=1e-6)
+        trained.register_comm_hook(failures, distributed.forgiving_allreduce_hook)
+        for _ in range(3):
+            trained(torch.ones(2, 3)).sum().backward()
+        new = torch.nn.parallel.DistributedDataParallel(_Crossed(), bucket_cap_mb=1e-6)
+        assert _buckets(trained) != _buckets(new)        # rebuilt in the gradients' order
+        distributed.renew_ddp(trained)
+        assert _buckets(trained) == _buckets(new)
+        assert trained._comm_hooks == [(distributed.forgiving_allreduce_hook, failures)]
+        trained.module.zero_grad()
+        trained(torch.ones(2, 3)).sum().backward()
+        assert failures.take() is None
+        assert trained.module.a.bias.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_gradient_all_reduce_is_recorded_and_backward_returns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ElasticSession's DDP hook: the loop's ``backward()`` returns; the session learns of
+    the failure at ``step()`` (and its optimizer steps nothing meanwhile)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        failures = distributed.StepFailures()
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+        ddp.register_comm_hook(failures, distributed.forgiving_allreduce_hook)
+        monkeypatch.setattr(distributed, "_aborted", None)
+        distributed.abort_collectives("the world re-forms as generation 1 (worker lost)")
+        ddp(torch.ones(2, 3)).sum().backward()
+        error = failures.take()
+        assert isinstance(error, CollectiveAborted)
+        assert str(error) == "the world re-forms as generation 1 (worker lost)"
+        assert failures.take() is None
+    finally:
+        dist.destroy_process_group()

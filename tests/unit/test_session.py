@@ -271,3 +271,45 @@ def test_the_package_exports_what_a_user_of_a_session_meets() -> None:
     for name in elastic_train.__all__:
         assert getattr(elastic_train, name) is not None
     assert elastic_train.ElasticSession is ElasticSession
+
+
+def test_a_bad_recovery_mode_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="^recovery 'inplace' is invalid: use one of live, "
+                                          "restart$"):
+        ElasticSession(tmp_path / "run", recovery="inplace", env=WorkerEnv())
+
+
+def test_wrap_gives_ddp_on_the_sessions_world_and_training_runs(tmp_path: Path) -> None:
+    """Outside ``elastic-train run`` (no live recovery) ``wrap`` is plain DDP."""
+    session = ElasticSession(tmp_path / "run", env=WorkerEnv())
+    try:
+        model = nn.Linear(2, 1)
+        ddp = session.wrap(model)
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and ddp.module is model
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        session.restore(model=model, optimizer=optimizer)
+        for _ in session.steps(2):
+            loss = ddp(torch.ones(4, 2)).sum()
+            loss.backward()
+            optimizer.step()
+            session.step(loss)
+        assert session.step_count == 2
+    finally:
+        session._leave()
+
+
+def test_the_sampler_hands_out_the_step_to_redo_after_a_reshard() -> None:
+    """A DataLoader without worker processes reads one batch at a time: after the world
+    re-formed, the next batch is the step in flight again, cut for the new world."""
+    from elastic_train.sampler import ElasticBatchSampler, epoch_order
+
+    sampler = ElasticBatchSampler(64, 8, rank=1, world_size=2, seed=3)
+    it = iter(sampler)
+    order = epoch_order(64, 3, 0).tolist()
+    assert next(it) == order[4:8]
+    sampler.advance()                       # step 1 done
+    assert next(it) == order[12:16]         # step 2 in flight ...
+    assert sampler.read_ahead == 1
+    sampler.reshard(rank=0, world_size=1, batch_size=8)   # ... fails; world of 1
+    assert next(it) == order[8:16]          # step 2 again, all of it
+    assert sampler.read_ahead == 1 and sampler.reshards == 1

@@ -653,3 +653,31 @@ def test_no_backend_thread_holds_a_callback_of_ours_once_the_group_is_destroyed(
         distributed._hold_callback = hold
         distributed.destroy_group()
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("argv", "split"), [
+    (["--nproc-per-node", "2", "train.py", "runs/x", "--lr", "1"],
+     (["--nproc-per-node", "2"], ["train.py", "runs/x", "--lr", "1"])),
+    (["--nnodes=1:2", "--tee", "3", "--worker-start", "subprocess", "t.py"],
+     (["--nnodes=1:2", "--tee", "3", "--worker-start", "subprocess"], ["t.py"])),
+    (["train.py"], ([], ["train.py"])),
+    (["--nproc-per-node", "2", "--task", "gpt", "--steps", "5"], None),
+    (["--steps", "5", "x.py"], None),
+    (["--help"], None),
+])
+def test_elastic_train_run_tells_a_script_from_the_built_in_jobs_options(
+        argv: list[str], split: tuple[list[str], list[str]] | None) -> None:
+    from elastic_train.launch import launcher_parser, script_command
+
+    assert script_command(argv, launcher_parser()) == split
+
+
+def test_elastic_train_run_of_a_missing_script_says_so(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    from elastic_train.launch import main
+
+    assert main([str(tmp_path / "nope.py"), "arg"]) == 2
+    assert capsys.readouterr().err == (
+        f"elastic-train: error: no training script at {tmp_path / 'nope.py'}: give the path "
+        "of a Python file (or job options, e.g. --task, for the built-in trainer)\n")
