@@ -16,6 +16,7 @@ import safetensors.torch
 from elastic_train import cli
 from elastic_train.checkpoint.storage import model_digest
 from elastic_train.events import read_events
+from elastic_train.live_recovery import live_needs_our_agent
 from elastic_train.rundir import EVENTS_FILE
 from tests.integration import harness, prom
 
@@ -183,6 +184,43 @@ def test_handwritten_loop_made_elastic_resumes_exactly(workdir: Path,
     loaded = [e["step"] for e in job.events() if e["event"] == "checkpoint_loaded"]
     assert len(loaded) == 1 and loaded[0] in (20, 40, 60, 80, 100, 120), loaded
     assert harness.digest_at(workdir / "runs" / "tutorial", 128) == tutorial_reference
+    # torchrun's agent restarts every worker: said once, with how to silence it
+    said = live_needs_our_agent('ElasticSession(..., recovery="restart")')
+    assert job.output().count(f"elastic_train: {said}") == 1, job.report()
+
+
+def test_handwritten_loop_recovers_in_place_under_elastic_train_run(
+        workdir: Path, tutorial_reference: str) -> None:
+    """The README's ``elastic-train run ... ddp_tutorial_elastic.py``: rank 1 killed, then
+    rank 0 (the writer); each time only the dead worker starts again, the survivor keeps
+    its process, no checkpoint is loaded, and the weights are torchrun's uninterrupted
+    run's, bit for bit."""
+    command = next(c for c in readme_commands()
+                   if c.startswith("elastic-train run") and "ddp_tutorial_elastic.py" in c)
+    argv = [sys.executable, "-m", "elastic_train", *shlex.split(command)[1:]]
+    assert argv[-1] == "runs/tutorial-live"
+    run_dir = workdir / "runs" / "tutorial-live"
+    job = harness.start(argv, run_dir, cwd=workdir)
+    kept = []
+    try:
+        for rank, step in ((1, 30), (0, 70)):
+            job.wait_for_event(lambda e, n=step: e["event"] == "step" and e["step"] == n,
+                               timeout=TIMEOUT)
+            pids = job.worker_pids()
+            job.kill_worker(rank)
+            job.wait_for_event(lambda e, n=step: e["event"] == "recovery" and e["step"] >= n,
+                               timeout=TIMEOUT)
+            kept.append(job.worker_pids()[1 - rank] == pids[1 - rank])
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert kept == [True, True], job.report()
+    events = job.events()
+    assert "checkpoint_loaded" not in [e["event"] for e in events]
+    assert [(e["kind"], e["failed_ranks"]) for e in events if e["event"] == "recovery"] == \
+        [("live", [1]), ("live", [0])], job.report()
+    assert harness.digest_at(run_dir, 128) == tutorial_reference
+    assert "epoch 3 loss" in job.output()
 
 
 def test_handwritten_loop_stops_on_sigterm_and_the_rerun_loses_no_step(

@@ -274,8 +274,8 @@ def test_the_package_exports_what_a_user_of_a_session_meets() -> None:
 
 
 def test_a_bad_recovery_mode_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="^recovery 'inplace' is invalid: use one of live, "
-                                          "restart$"):
+    with pytest.raises(ConfigError, match=r"^recovery 'inplace' is invalid: use one of live, "
+                                          r"restart$"):
         ElasticSession(tmp_path / "run", recovery="inplace", env=WorkerEnv())
 
 
