@@ -218,6 +218,10 @@ def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_star
     if worker_start == "subprocess":
         torchrun.run(args)
         return
+    # torch's agent logs a failed worker with a formatter that imports torch._dynamo on
+    # its first exception record: 0.7-1 s of a live recovery's detection, unless done now
+    # (the built-in job's pre-flight imports it anyway).
+    import torch._dynamo  # noqa: F401
     from torch.distributed.launcher.api import elastic_launch
 
     from elastic_train.script_worker import run_script

@@ -251,17 +251,19 @@ class WorkerRuntime:
             attempt = functools.partial(self.rejoin, objects, step=step)
 
     def rejoin(self, objects: Mapping[str, Stateful], *, step: int | None,
-               attempted: int | None = None, failed_at: float | None = None) -> Rejoined:
+               attempted: int | None = None, failed_at: float | None = None,
+               failed: bool | None = None) -> Rejoined:
         """A member of a world that re-forms (a worker or a node was lost, or one joins):
         leave the old process group, meet every member of the new generation in a new one,
         and bring every member to the newest state.
 
         ``step``: the step this member's state is at (None: a worker started again that
         has not received it yet); ``attempted``: the step it was in when its collective
-        failed (None: it left at a step boundary). Raises ``LiveRecoveryError`` when the
-        members do not all come back, none holds state, or no new generation is announced
-        (a boundary vote whose agent never tells); the worker then fails and the agent
-        restarts the job from disk.
+        failed (None: it left at a step boundary, or holds the step it failed after);
+        ``failed``: whether a failure brought it here (default: ``attempted`` is given).
+        Raises ``LiveRecoveryError`` when the members do not all come back, none holds
+        state, or no new generation is announced (a boundary vote whose agent never
+        tells); the worker then fails and the agent restarts the job from disk.
         """
         assert self.live is not None
         previous_world = self.group.world_size
@@ -271,7 +273,8 @@ class WorkerRuntime:
                                     "newest checkpoint")
         distributed.abandon_group()
         self.set_group(self.live.join(), self.live.env)
-        marks = {"failed_at" if attempted is not None else "paused_at": failed_at or time.time(),
+        failed = attempted is not None if failed is None else failed
+        marks = {"failed_at" if failed else "paused_at": failed_at or time.time(),
                  "joined_at": time.time()}
         return self._share_and_report(objects, step, attempted, previous_world, marks)
 

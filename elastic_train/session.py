@@ -455,15 +455,17 @@ class ElasticSession:
             return True
         self.runtime.save_if_due(self.step_count, self._objects)
         if vote.reform:  # a node is ready to join: re-form at this step boundary
-            self._recover_in_place(time.time())
+            self._recover_in_place(time.time(), failed=False)
         torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
         return False
 
-    def _recover_in_place(self, failed_at: float, *, attempted: int | None = None) -> None:
+    def _recover_in_place(self, failed_at: float, *, attempted: int | None = None,
+                          failed: bool = True) -> None:
         """Re-form the world with the workers of the new generation, keeping this process
         and its state (runtime.recover); ``attempted``: the step that failed here before
         it was applied (redone unless a member finished it), None when this process holds
-        its last step applied (a step boundary, or a failed vote after it)."""
+        its last step applied (a failed vote after it, or a step boundary: ``failed``
+        False)."""
         if self._sampler is not None and not self._own_loader and self._sampler.read_ahead > 1:
             raise LiveRecoveryError(
                 f"the DataLoader read {self._sampler.read_ahead} batches ahead of the step "
@@ -477,7 +479,7 @@ class ElasticSession:
         self.runtime.recover(
             self._objects,
             lambda: self.runtime.rejoin(self._objects, step=step, attempted=attempted,
-                                        failed_at=failed_at),
+                                        failed_at=failed_at, failed=failed),
             step)
         self._follow_world()
 
