@@ -71,6 +71,7 @@ from elastic_train.live_peers import (
     commit_plan,
     local_value,
     plan_key,
+    take_over,
 )
 from elastic_train.live_plan import Arrival, Plan, plan_reformation, plan_round
 from elastic_train.live_recovery import (
@@ -78,6 +79,7 @@ from elastic_train.live_recovery import (
     FINISHED_KEY,
     GENERATION_KEY,
     READY_KEY,
+    RESTARTING_KEY,
     Announcement,
     announcement_key,
 )
@@ -291,9 +293,23 @@ class LiveRecoveryAgent(LocalElasticAgent):
                                 self._node_store)
 
     def _commit_store(self, worker_group: WorkerGroup) -> dist.Store | None:
-        """Where plans are committed: the rendezvous round's store, shared by every agent
-        of the round (None for a round of one agent: no other can decide in it)."""
+        """Where a round's agents agree on its first plan: the rendezvous round's store,
+        shared by every agent of the round (None for a round of one agent: no other can
+        decide in it)."""
         return worker_group.store if self._round_agents > 1 else None
+
+    def _job_store(self, worker_group: WorkerGroup) -> dist.Store:
+        """Where the job's current plan is kept, across rendezvous rounds: the rendezvous'
+        own store (c10d's TCPStore, etcd) under a key of the job, not of the round. Every
+        plan is committed there by compare-and-swap from the plan it replaces, a round's
+        first plan from whatever is there: so a coordinator whose world was superseded by
+        a newer round (a node cut off while the others formed that round without it)
+        commits nothing, although no one else ever wrote in its own round's store."""
+        store = worker_group.store
+        if isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        return dist.PrefixStore(f"elastic_train/{worker_group.spec.rdzv_handler.get_run_id()}",
+                                store)
 
     # ---- starting: the first generation of a rendezvous round ------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -324,7 +340,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
         store = self._commit_store(worker_group)
         if store is None:
             plan = plan_round([arrival], self.address, detected_at=time.time())
-            return plan, plan.encode()
+            return plan, take_over(self._job_store(worker_group), COMMITTED_KEY,
+                                   plan.encode())
         keys = [f"{ROUND_PREFIX}/arrival/{r}" for r in range(worker_group.group_world_size)]
         store.set(keys[worker_group.group_rank], arrival.encode())
         if worker_group.group_rank == 0:
@@ -332,7 +349,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
                 store.wait(keys, timedelta(seconds=MIXED_ROUND_SECONDS))
                 plan = plan_round([Arrival.decode(r) for r in store.multi_get(keys)],
                                   self.address, detected_at=time.time())
-                raw = commit_plan(store, COMMITTED_KEY, b"", plan.encode())
+                raw = take_over(self._job_store(worker_group), COMMITTED_KEY,
+                                plan.encode())
+                raw = commit_plan(store, COMMITTED_KEY, b"", raw)
             except (RuntimeError, TimeoutError):  # torch's stores time out: DistStoreError
                 raw = commit_plan(store, COMMITTED_KEY, b"", STOCK_ROUND)
         else:
@@ -399,6 +418,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         if why_not is not None:
             log.warning("the world cannot re-form in place (%s): every worker of this node "
                         "restarts from the newest checkpoint", why_not)
+            self._release_workers(worker_group)
             return super()._monitor_workers(worker_group) if failed \
                 else RunResult(state=WorkerState.UNHEALTHY)
         if self._reform(worker_group, workers, failed, notice):
@@ -466,12 +486,14 @@ class LiveRecoveryAgent(LocalElasticAgent):
                 plan, raw = outcome
                 break
             if outcome == RESTART:  # no member holds the state
+                self._release_workers(worker_group)
                 return False
             # the coordinator is gone: this agent coordinates the next generation
             coordinator, generation = self.address, generation + 1
         if plan is None or raw is None or self.address not in plan.agents:
             log.warning("the others re-formed the world without this node: it restarts "
                         "its workers and joins again")
+            self._release_workers(worker_group)
             return False
         self._adopt(worker_group, plan, raw)
         self._announce(worker_group, plan, "abort")
@@ -516,12 +538,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
         return Plan.decode(raw), raw
 
     def _commit(self, worker_group: WorkerGroup, raw: bytes) -> bytes:
-        """Swap the committed plan from the one this agent applies to ``raw``; what is
+        """Swap the job's plan from the one this agent applies to ``raw``; what is
         committed now (another's plan if another agent, or a newer world, was first)."""
-        store = self._commit_store(worker_group)
-        if store is None:
-            return raw
-        return commit_plan(store, COMMITTED_KEY, self._plan_raw, raw)
+        return commit_plan(self._job_store(worker_group), COMMITTED_KEY, self._plan_raw, raw)
 
     def _follow(self, coordinator: str, generation: int, arrival: Arrival
                 ) -> tuple[Plan, bytes] | bytes | None:
@@ -544,6 +563,13 @@ class LiveRecoveryAgent(LocalElasticAgent):
             worker.world_size = worker.role_world_size = plan.world_size
         worker_group.group_rank = plan.node_index(self.address)
         worker_group.group_world_size = len(plan.members)
+
+    def _release_workers(self, worker_group: WorkerGroup) -> None:
+        """Tell this node's workers that no new generation comes (``RESTARTING_KEY``): one
+        waiting for it after a failed step fails at once, instead of at its timeout while
+        torch's agent waits for it to stop."""
+        with contextlib.suppress(RuntimeError, OSError):
+            self._store_of_workers(worker_group).set(RESTARTING_KEY, "1")
 
     def _announce(self, worker_group: WorkerGroup, plan: Plan, mode: str) -> None:
         """Tell this node's workers about ``plan``: ``abort`` (fail your collectives and

@@ -171,3 +171,15 @@ def commit_plan(store: dist.Store, key: str, base: bytes, plan: bytes) -> bytes:
     base (a partitioned minority, a world that moved on) commits nothing and learns the
     newer plan."""
     return bytes(store.compare_set(key, base, plan))
+
+
+def take_over(store: dist.Store, key: str, plan: bytes, tries: int = 20) -> bytes:
+    """Make ``plan`` the plan at ``key`` whatever it replaces (a new rendezvous round's
+    plan supersedes every plan before it): a compare-and-swap from the value read, again
+    if another commit came in between. A coordinator of an older world that swaps from
+    its own plan after this finds the key changed and commits nothing."""
+    for _ in range(tries):
+        current = bytes(store.get(key)) if store.check([key]) else b""
+        if commit_plan(store, key, current, plan) == plan:
+            return plan
+    raise RuntimeError(f"could not commit a new round's plan at {key}: it kept changing")

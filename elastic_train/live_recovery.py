@@ -51,6 +51,8 @@ has no survivor to take the state from, so the agent restarts the group instead.
 FINISHED_KEY = "live/finished"
 """Set when a worker left the training loop for good: a worker lost after that cannot be
 replaced in place (the others no longer meet), so the agent restarts the group instead."""
+RESTARTING_KEY = "live/restarting"
+"""Set when the agent takes torch's restart path: no new generation will be announced."""
 FAILED_COLLECTIVE_KEY = "live/failed_collective"
 """A worker's collective failed with no generation announced: its agent calls the others."""
 WATCH_INTERVAL = 0.05
@@ -224,6 +226,8 @@ class LiveWorld:
                 latest = self.latest()
                 if latest > self.generation:
                     return latest
+                if self._store.check([RESTARTING_KEY]):
+                    return None
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)

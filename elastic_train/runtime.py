@@ -342,7 +342,7 @@ class WorkerRuntime:
         values = [int(v) - 1 for v in distributed.sum_over_ranks(self.group, tally)]
         held, tried = values[:world], values[world:2 * world]
         if max(values[2 * world:]) >= 0:  # the world keeps its epoch: a new member learns it
-            self.checkpoints.epoch = max(values[2 * world:])
+            self.checkpoints.join_epoch(max(values[2 * world:]))
         newest = max(held)
         if newest < 0:
             raise LiveRecoveryError("no worker of the re-formed world holds the training "

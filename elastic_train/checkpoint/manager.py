@@ -328,6 +328,17 @@ class CheckpointManager:
             log.error("checkpoint %d was not written: %s", result.step, result.error)
         return waited
 
+    def join_epoch(self, epoch: int) -> None:
+        """This worker is now a member of a world that owns writer epoch ``epoch`` (the
+        world re-formed in place). A persist of its own still in flight finishes first,
+        fenced by the epoch it was written under; a fence that an older world of this
+        worker met no longer stops it (it left that world for this one)."""
+        if epoch != self.epoch:
+            self._finish_pending(report_wait=False)
+        self.epoch = epoch
+        if self.fenced is not None and self.fenced.newer_epoch <= epoch:
+            self.fenced = None
+
     def finish(self) -> None:
         """Wait for the persist in flight (shutdown); say how often saves waited."""
         if self.group.rank != 0:

@@ -178,7 +178,7 @@ class Job:
     def stop(self) -> None:
         """Kill the agent and its workers (torchrun starts each worker in its own session)."""
         if self.proc.poll() is None:
-            for pid in _descendants(self.proc.pid):
+            for pid in descendants(self.proc.pid):
                 _kill_group(pid)
             _kill_group(self.proc.pid)
             self.proc.wait(timeout=30)
@@ -218,7 +218,7 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
         for child in _children(todo.pop()):
@@ -242,7 +242,7 @@ def workers_of(agent_pid: int) -> dict[int, int]:
     forkserver (``elastic-train run``) name themselves ``et-rank-N``.
     """
     found = {}
-    for pid in _descendants(agent_pid):
+    for pid in descendants(agent_pid):
         name = _comm(pid)
         if name.startswith("et-rank-"):
             found[int(name.removeprefix("et-rank-"))] = pid

@@ -43,6 +43,7 @@ from typing import Any
 
 import pytest
 
+from elastic_train.checkpoint.storage import MANIFEST
 from elastic_train.events import read_events
 from elastic_train.rundir import EVENTS_FILE
 from elastic_train.sampler import epoch_order
@@ -464,3 +465,78 @@ def test_the_readme_benchmark_command_runs(tmp_path: Path) -> None:
     # Failure detection: SIGKILL -> first and last survivor noticing, in seconds.
     assert re.search(r"\| 2 s \| 2 \+ 1 killed \| [\d.]+ s \| [\d.]+ s \|", result.stdout), \
         result.stdout
+
+
+def _signal_node(job: harness.Job, sig: int) -> None:
+    """``sig`` to a node's agent and all its processes (workers, forkserver)."""
+    for pid in [job.proc.pid, *harness.descendants(job.proc.pid)]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_etcd_v3_a_frozen_writer_node_is_cut_off_and_never_commits_over_the_new_world(
+        tmp_path: Path, etcd_v3: EtcdServer) -> None:
+    """A partition: the node holding rank 0, the checkpoint writer, stops answering (every
+    process of it SIGSTOPped right after a checkpoint step) and comes back later. The other
+    node re-forms the world alone in place, claiming a new writer epoch from the step it
+    goes on from: through a new rendezvous round once the frozen node's lease expired, or
+    within the round once its collective timed out and its call to the frozen agent went
+    unanswered. Once it has committed a checkpoint the frozen node resumes: a persist of
+    it still in flight is fenced, its agent's plan (swapped from its old world's, which
+    the newer round replaced in the job's plan key) commits nothing, so it trains no step
+    of its old world and writes no checkpoint past the claim; it comes back as a joining
+    node, in place, and the job ends with each sample once per epoch."""
+    command = harness.readme_command("elastic-train run", "--rdzv-backend etcd-v3")
+    run_dir = tmp_path / "run"
+    job = [*JOB, "--collective-timeout", "5"]
+    nodes = [readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v3.endpoint},
+                         tmp_path.name, FAST_V3, job) for name in ("node-a", "node-b")]
+    try:
+        nodes[0].wait_for_event(step_at(2, min_step=15), TIMEOUT)
+        writer = node_hosting_rank0(*nodes)
+        other = nodes[1] if writer is nodes[0] else nodes[0]
+        writer.wait_for_event(lambda e: e["event"] == "step" and e["step"] % 5 == 0
+                              and e["step"] >= 20, TIMEOUT)
+        _signal_node(writer, signal.SIGSTOP)
+        frozen_at = time.time()
+        cut_off = other.wait_for_event(lambda e: e["event"] == "recovery"
+                                       and e["time"] > frozen_at, TIMEOUT)
+        other.wait_for_event(lambda e: e["event"] == "checkpoint_saved"
+                             and e["step"] > cut_off["step"], TIMEOUT)
+        thawed_at = time.time()
+        _signal_node(writer, signal.SIGCONT)
+        assert other.wait(TIMEOUT) == 0, other.report()
+        assert writer.wait(TIMEOUT) == 0, writer.report()
+    finally:
+        for node in nodes:
+            _signal_node(node, signal.SIGCONT)
+            node.stop()
+    # Cut off by whichever comes first: its lease's expiry (a new rendezvous round) or
+    # the collective's timeout and the unanswered call (a node lost).
+    assert (cut_off["kind"], cut_off["world_size"]) == ("live", 1), cut_off
+    assert cut_off["cause"] in ("new round", "node lost"), cut_off
+    claims = [json.loads(p.read_text()) for p in sorted((run_dir / "writers").iterdir())]
+    assert [c["resumed_from"] for c in claims[:2]] == [None, cut_off["step"]], claims
+    # The old world trains no step once it is back: no step below where the new world
+    # was (a restart of the job would have a new restart count), no world re-formed
+    # without the new world's node.
+    events = list(read_events(run_dir / EVENTS_FILE))
+    reached = max(e["step"] for e in events if e["event"] == "step" and e["time"] < thawed_at)
+    stale = []
+    for path in (run_dir / "samples").glob("rank-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["time"] > thawed_at and record["step"] <= reached \
+                    and record["restart"] == 0:
+                stale.append(record)
+    assert not stale, stale
+    back = [e for e in events if e["event"] == "recovery" and e["time"] > thawed_at]
+    assert back and all((e["kind"], e["world_size"]) == ("live", 2) for e in back), back
+    assert [e["event"] for e in events].count("start") == 1  # no worker group restarted
+    for manifest in (run_dir / "checkpoints").glob(f"step-*/{MANIFEST}"):
+        record = json.loads(manifest.read_text())
+        if record["step"] > cut_off["step"]:
+            assert record["writer_epoch"] >= 2, record
+    assert_each_sample_once_in_order(run_dir)

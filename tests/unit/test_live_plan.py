@@ -17,6 +17,7 @@ from elastic_train.live_peers import (
     commit_plan,
     local_value,
     reachable,
+    take_over,
 )
 from elastic_train.live_plan import FRESH, LIVE, Arrival, Member, Plan, plan_reformation, plan_round
 from elastic_train.live_recovery import Announcement
@@ -115,6 +116,19 @@ def test_of_two_coordinators_from_one_base_only_the_first_commits_and_a_stale_on
     assert commit_plan(store, "plan", base, second) == first  # learns the winner
     assert commit_plan(store, "plan", first, newer) == newer
     assert commit_plan(store, "plan", base, second) == newer  # a partitioned minority
+
+
+def test_a_new_rounds_plan_supersedes_every_plan_and_fences_the_old_worlds_coordinator(
+        ) -> None:
+    """A node cut off while the others formed a new rendezvous round without it: its
+    coordinator swaps from the plan of its old round, which the new round replaced (the
+    job's plan key spans rounds), so it commits nothing and learns the newer plan."""
+    store = _server()
+    old_round, cut_off, new_round = (world_of((A, 1), (B, 1), generation=g).encode()
+                                     for g in (1, 2, 3))
+    assert take_over(store, "plan", old_round) == old_round        # nothing before it
+    assert take_over(store, "plan", new_round) == new_round        # whatever was there
+    assert commit_plan(store, "plan", old_round, cut_off) == new_round
 
 
 def test_a_dead_agent_refuses_at_once_and_a_live_one_takes_the_call() -> None:
