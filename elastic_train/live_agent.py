@@ -8,7 +8,8 @@ and moves the world from one *generation* to the next instead (plans: live_plan.
 
 - **After every rendezvous round** (the start, a node joining, torch's restart path) the
   agents of the round agree on the round's first plan: group rank 0 reads what each brings
-  and commits the plan in the round's store. If some agent's workers hold the state, they
+  and commits the plan (the job's plan key, which it takes over; the round's store for
+  the others to read). If some agent's workers hold the state, they
   keep running and every other worker starts without it and receives it from them
   (``live``); else every worker starts from the newest checkpoint (``fresh``). While the
   round forms, the workers train on: a node that joins costs them only the pause at a step
@@ -19,9 +20,10 @@ and moves the world from one *generation* to the next instead (plans: live_plan.
   coordinates: it tells every member of the generation before in that member's own store
   (live_peers.py: an agent that died refuses the connection, so it counts as lost at
   once, without waiting out a heartbeat, a lease or a last call), takes those that arrive,
-  and commits the next plan by compare-and-swap in the rendezvous round's store: from the
-  plan it replaces, so a stale or partitioned coordinator cannot commit, and of two
-  coordinators calling at once the one with the smaller id leads.
+  and commits the next plan by compare-and-swap of the job's plan key (in the rendezvous'
+  own store, across rounds): from the plan it replaces, so a stale or partitioned
+  coordinator cannot commit (also when the others formed a new round without it), and
+  of two coordinators calling at once the one with the smaller id leads.
 - **Telling the workers**: each agent writes the plan into its own store with a mode
   (``abort``: fail your collectives and re-form now; ``boundary``: re-form after your
   step once the new workers are built; ``start``) and bumps the generation its workers
@@ -90,7 +92,8 @@ ACROSS_NODES = ("c10d", "etcd-v3")
 """Rendezvous backends whose jobs re-form in place across nodes (tested with both)."""
 ROUND_PREFIX = "elastic_train/live"
 COMMITTED_KEY = f"{ROUND_PREFIX}/plan"
-"""The newest committed plan, in the rendezvous round's store."""
+"""The newest committed plan: in the rendezvous' store under the job's prefix (across
+rounds: ``_job_store``), and each round's first plan in the round's store too."""
 ARRIVE_SECONDS = 10.0
 """How long a coordinator waits for a member that took its call to arrive (members look
 for calls every --monitor-interval; one busy in a rendezvous round comes later)."""
