@@ -316,29 +316,23 @@ class ElasticSession:
         """Make ``obj.step()`` do nothing in a step whose gradient all-reduce failed: its
         gradients are not the step's (the commit point a hand-written loop lacks)."""
         failures = self._failures
-        if isinstance(obj, torch.optim.Optimizer):
-            original = obj.step
+        is_optimizer = isinstance(obj, torch.optim.Optimizer)
+        original = obj.step if is_optimizer else type(obj).step
 
-            def step(_: Any, *args: Any, **kwargs: Any) -> Any:
-                if failures.error is not None:
-                    return None
-                return original(*args, **kwargs)
+        def step(target: Any, *args: Any, **kwargs: Any) -> Any:
+            if failures.error is not None:
+                return None
+            return original(*args, **kwargs) if is_optimizer \
+                else original(target, *args, **kwargs)
 
+        if is_optimizer:
             # A bound method, as torch's LR schedulers expect of optimizer.step when they
             # wrap it to count the calls.
             obj.step = types.MethodType(step, obj)
-            return
-        # An LR scheduler's state_dict() is its __dict__: the gate goes in a subclass.
-        base = type(obj)
-
-        def scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            if failures.error is not None:
-                return None
-            return base.step(scheduler, *args, **kwargs)
-
-        obj.__class__ = type(base.__name__, (base,), {
-            "step": scheduler_step, "__module__": base.__module__,
-            "__qualname__": base.__qualname__})
+        else:  # an LR scheduler's state_dict() is its __dict__: the gate goes in a subclass
+            base = type(obj)
+            obj.__class__ = type(base.__name__, (base,), {
+                "step": step, "__module__": base.__module__, "__qualname__": base.__qualname__})
 
     def epochs(self, count: int) -> Iterator[int]:
         """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.

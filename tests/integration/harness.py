@@ -253,6 +253,18 @@ def workers_of(agent_pid: int) -> dict[int, int]:
     return found
 
 
+def new_pid(job: Job, rank: int, old: int, timeout: float = 30) -> int:
+    """The pid of ``rank`` once ``job``'s agent started it again (it was ``old``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = workers_of(job.proc.pid).get(rank)
+        if pid is not None and pid != old:
+            return pid
+        time.sleep(0.005)
+    raise AssertionError(f"rank {rank} was not started again within {timeout}s:\n"
+                         f"{job.report()}")
+
+
 def start(argv: Sequence[str], run_dir: Path, env: dict[str, str] | None = None,
           cwd: Path | None = None, log_name: str | None = None) -> Job:
     """Start ``argv`` in its own process group, output to ``run_dir``/../<log_name>.log."""

@@ -36,18 +36,6 @@ def _step(n: int):
     return lambda e: e["event"] == "step" and e["step"] == n
 
 
-def _new_pid(job: harness.Job, rank: int, old: int, timeout: float = 30) -> int:
-    """The pid of ``rank`` once the agent started it again."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid = harness.workers_of(job.proc.pid).get(rank)
-        if pid is not None and pid != old:
-            return pid
-        time.sleep(0.005)
-    raise AssertionError(f"rank {rank} was not started again within {timeout}s:\n"
-                         f"{job.report()}")
-
-
 def _wait_until_blocked(pid: int, timeout: float = 30) -> None:
     """Until the main thread of ``pid`` sleeps in a wait (its peer stopped, it sits in the
     collective) on five polls in a row."""
@@ -92,23 +80,23 @@ def test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact(
         job.wait_for_event(_step(7), TIMEOUT)
         pids = job.worker_pids()
         job.kill_worker(1)                                   # mid-interval
-        _new_pid(job, 1, pids[1])
+        harness.new_pid(job, 1, pids[1])
         job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
         survivors_kept.append(job.worker_pids()[0] == pids[0])
 
         job.wait_for_event(_step(20), TIMEOUT)                # a checkpoint is due at 20
         pids = job.worker_pids()
         job.kill_worker(0)                                   # the writer, mid-persist
-        _new_pid(job, 0, pids[0])
+        harness.new_pid(job, 0, pids[0])
         job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 20, TIMEOUT)
         survivors_kept.append(job.worker_pids()[1] == pids[1])
 
         job.wait_for_event(_step(30), TIMEOUT)
         pids = job.worker_pids()
         job.kill_worker(1)
-        replacement = _new_pid(job, 1, pids[1])
+        replacement = harness.new_pid(job, 1, pids[1])
         os.kill(replacement, signal.SIGKILL)                          # while it joins
-        _new_pid(job, 1, replacement)
+        harness.new_pid(job, 1, replacement)
         job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 30, TIMEOUT)
         survivors_kept.append(job.worker_pids()[0] == pids[0])
 
@@ -117,7 +105,7 @@ def test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact(
         os.kill(pids[1], signal.SIGSTOP)
         _wait_until_blocked(pids[0])                               # inside a collective
         os.kill(pids[1], signal.SIGKILL)
-        _new_pid(job, 1, pids[1])
+        harness.new_pid(job, 1, pids[1])
         assert job.wait(TIMEOUT) == 0, job.report()
         survivors_kept.append(harness.workers_of(job.proc.pid).get(0, pids[0]) == pids[0])
     finally:
@@ -227,7 +215,7 @@ def test_workers_lost_on_either_of_two_nodes_are_replaced_in_place_bitwise_exact
             (other,) = [n for n in nodes if n is not victim]
             others = set(harness.workers_of(other.proc.pid).values())
             old = victim.kill_worker(rank)
-            _new_pid(victim, rank, old)
+            harness.new_pid(victim, rank, old)
             nodes[0].wait_for_event(lambda e, s=after: e["event"] == "recovery"
                                     and e["step"] >= s, TIMEOUT)
             kept.append(set(harness.workers_of(other.proc.pid).values()) == others)

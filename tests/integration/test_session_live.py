@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -69,17 +68,6 @@ def assert_each_sample_once_in_order(run_dir: Path, total: int) -> None:
         assert used == epoch_order(SAMPLES, SEED, epoch).tolist()[:len(used)], epoch
 
 
-def _new_pid(job: harness.Job, rank: int, old: int, timeout: float = 30) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid = harness.workers_of(job.proc.pid).get(rank)
-        if pid is not None and pid != old:
-            return pid
-        time.sleep(0.005)
-    raise AssertionError(f"rank {rank} was not started again within {timeout}s:\n"
-                         f"{job.report()}")
-
-
 def _step(n: int):
     return lambda e: e["event"] == "step" and e["step"] == n
 
@@ -108,13 +96,13 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
         job.wait_for_event(_step(12), TIMEOUT)
         pids = job.worker_pids()
         job.kill_worker(1)
-        _new_pid(job, 1, pids[1])
+        harness.new_pid(job, 1, pids[1])
         job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
         kept.append(job.worker_pids()[0] == pids[0])
         job.wait_for_event(_step(30), TIMEOUT)               # a checkpoint is due at 30
         pids = job.worker_pids()
         job.kill_worker(0)
-        _new_pid(job, 0, pids[0])
+        harness.new_pid(job, 0, pids[0])
         job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 30, TIMEOUT)
         kept.append(job.worker_pids()[1] == pids[1])
         assert job.wait(TIMEOUT) == 0, job.report()
