@@ -14,9 +14,11 @@ starts first, so that it imports torch while this process does (worker_start.py)
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 
 from elastic_train.agent_env import option_default
@@ -219,9 +221,10 @@ def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_star
         torchrun.run(args)
         return
     # torch's agent logs a failed worker with a formatter that imports torch._dynamo on
-    # its first exception record: 0.7-1 s of a live recovery's detection, unless done now
-    # (the built-in job's pre-flight imports it anyway).
-    import torch._dynamo  # noqa: F401
+    # its first exception record: 0.7-1 s of a live recovery's detection, unless done
+    # before (the built-in job's pre-flight imports it anyway). Off the start's path.
+    threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
+                     name="import-torch-dynamo", daemon=True).start()
     from torch.distributed.launcher.api import elastic_launch
 
     from elastic_train.script_worker import run_script
