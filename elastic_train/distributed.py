@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import json
 import logging
 import threading
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic_train import state_wire
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import DistributedError
 
@@ -423,20 +423,21 @@ def broadcast_state(group: Group, states: Mapping[str, Any] | None, src: int
                     ) -> tuple[dict[str, Any] | None, int]:
     """Send state dicts from ``src`` to every rank; (what arrived, bytes sent).
 
-    Serialised with ``torch.save`` and read back with ``weights_only=True``: a peer's bytes
-    run no pickled code. Tensors arrive on the group's device.
+    Two broadcasts (state_wire.py): the structure around the tensors (``torch.save``, read
+    back ``weights_only``: a peer's bytes run no pickled code), then every tensor's bytes
+    in one flat buffer on the group's device.
     """
-    data = None
-    if group.rank == src:
-        buffer = io.BytesIO()
-        torch.save(dict(states or {}), buffer)
-        data = buffer.getvalue()
-    received = broadcast_bytes(group, data, src)
-    if group.rank == src:
-        return None, len(received)
-    map_location = group.device if group.device.type == "cuda" else "cpu"
-    return torch.load(io.BytesIO(received), map_location=map_location,
-                      weights_only=True), len(received)
+    packed = state_wire.pack(dict(states or {}), group.device) if group.rank == src else None
+    header = broadcast_bytes(group, packed.header if packed is not None else None, src)
+    layout = state_wire.read_header(header) if packed is None else None
+    data = packed.data if packed is not None else torch.empty(
+        layout["size"] if layout is not None else 0, dtype=torch.uint8, device=group.device)
+    if group.world_size > 1:
+        _wait(dist.broadcast(data, src, async_op=True))
+    sent = len(header) + data.numel()
+    if layout is None:
+        return None, sent
+    return state_wire.unpack(layout, data, group.device), sent
 
 
 def sum_over_ranks(group: Group, values: torch.Tensor) -> list[float]:

@@ -46,7 +46,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -63,6 +63,7 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 
 from elastic_train.distributed import store_prefix
 from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
+from elastic_train.exit_watch import ExitWatch
 from elastic_train.live_peers import (
     NOTICE_KEY,
     RESTART,
@@ -127,10 +128,24 @@ class PerWorkerProcesses:
         self._running: dict[int, PContext] = {lr: start_one(lr, env) for lr, env in envs.items()}
         self._pids = {lr: ctx.pids()[0] for lr, ctx in self._running.items()}
         self._results: dict[int, RunProcsResult] = {}
+        self._hold = False
 
-    def pids(self) -> dict[int, int]:
-        """Each worker's pid (the last one of a worker that ended)."""
+    def pids(self, running_only: bool = False) -> dict[int, int]:
+        """Each worker's pid (the last one of a worker that ended, unless ``running_only``)."""
+        if running_only:
+            return {lr: pid for lr, pid in self._pids.items() if lr in self._running}
         return dict(self._pids)
+
+    @contextlib.contextmanager
+    def as_polled(self) -> Iterator[None]:
+        """While torch's monitor looks: ``wait`` reports what the last ``poll_failed``
+        found and polls nothing (a failure found there would take torch's restart path,
+        which stops every worker, before live recovery saw it)."""
+        self._hold = True
+        try:
+            yield
+        finally:
+            self._hold = False
 
     def running(self) -> list[int]:
         """The local ranks whose process runs (as of the last poll)."""
@@ -165,7 +180,8 @@ class PerWorkerProcesses:
         return value once all succeeded, else None."""
         deadline = time.monotonic() + (timeout if timeout >= 0 else float("inf"))
         while True:
-            self.poll_failed()
+            if not self._hold:
+                self.poll_failed()
             failures = {lr: next(iter(r.failures.values()))
                         for lr, r in self._results.items() if r.is_failed()}
             if failures:
@@ -235,6 +251,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         self._interval, spec.monitor_interval = spec.monitor_interval, 0.0
         self._wake = threading.Event()
         self._waker: threading.Thread | None = None
+        self._exits = ExitWatch(self._wake)  # a worker's death wakes the loop at once too
 
     # ---- whether and where -----------------------------------------------------------------
     def _live_possible(self, worker_group: WorkerGroup) -> str | None:
@@ -278,6 +295,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         try:
             return super().run(role)
         finally:
+            self._exits.close()
             # While the store still runs: a thread left blocked in the store's client would
             # end inside C++ when the interpreter finalizes.
             if self._waker is not None and self._node_store is not None:
@@ -323,7 +341,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
                             "worker from the newest checkpoint", why_not)
                 self._said_why_not = True
             self._plan = None
-            return super()._start_workers(worker_group)
+            return self._watched(super()._start_workers(worker_group))
         self._ensure_node_store(worker_group)
         self._round_agents = worker_group.group_world_size
         plan, raw = self._agree_on_round(worker_group)
@@ -331,7 +349,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
             if isinstance(self._pcontext, PerWorkerProcesses):
                 self._pcontext.close()
             self._plan = None
-            return super()._start_workers(worker_group)
+            return self._watched(super()._start_workers(worker_group))
         return self._apply_round(worker_group, plan, raw)
 
     def _agree_on_round(self, worker_group: WorkerGroup) -> tuple[Plan | None, bytes]:
@@ -408,7 +426,10 @@ class LiveRecoveryAgent(LocalElasticAgent):
             self._wake.clear()
         workers = self._pcontext
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
-            return super()._monitor_workers(worker_group)
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.HEALTHY:
+                self._look_again_if_unreported(w.id for w in worker_group.workers)
+            return result
         failed, _ = workers.poll_failed()
         store = self._store_of_workers(worker_group)
         # Calls and reports wake this loop; without store queues (torch < 2.6) look each time.
@@ -416,7 +437,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
         notice = self._notice() if look else None
         reported = look and self._reported_failure(store)
         if not (failed or notice or reported):
-            return super()._monitor_workers(worker_group)
+            self._look_again_if_unreported(workers.pids(running_only=True).values())
+            with workers.as_polled():  # a failure the poll above missed waits for the next
+                return super()._monitor_workers(worker_group)
         why_not = self._why_not_now(store, failed)
         if why_not is not None:
             log.warning("the world cannot re-form in place (%s): every worker of this node "
@@ -428,6 +451,21 @@ class LiveRecoveryAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.HEALTHY)
         return RunResult(state=WorkerState.UNHEALTHY, failures={
             worker_group.workers[lr].global_rank: failure for lr, failure in failed.items()})
+
+    def _watched(self, pids: dict[int, Any]) -> dict[int, Any]:
+        """``pids`` (torch's started workers), each watched for its end from now on."""
+        for pid in pids.values():
+            if isinstance(pid, int):
+                self._exits.watch(pid)
+        return pids
+
+    def _look_again_if_unreported(self, pids: Iterable[Any]) -> None:
+        """A watched worker ended but its process context does not report it yet (a
+        forkserver reaps and reports its children a moment later): look again soon,
+        not at the next --monitor-interval."""
+        if self._exits.ended_among(pids):
+            time.sleep(0.001)
+            self._wake.set()
 
     def _why_not_now(self, store: dist.Store, failed: Mapping[int, Any]) -> str | None:
         if failed and self._live_left <= 0:
@@ -628,10 +666,13 @@ class LiveRecoveryAgent(LocalElasticAgent):
             kwargs.pop("log_line_prefixes", None)
 
             def start_one(local_rank: int, env: dict[str, str]) -> PContext:
-                return original(name=name, entrypoint=entrypoint, args={0: args[local_rank]},
-                                envs={0: env}, logs_specs=_worker_logs_specs(logs_specs,
-                                                                             local_rank),
-                                **kwargs)
+                context = original(name=name, entrypoint=entrypoint,
+                                   args={0: args[local_rank]}, envs={0: env},
+                                   logs_specs=_worker_logs_specs(logs_specs, local_rank),
+                                   **kwargs)
+                for pid in context.pids().values():
+                    self._exits.watch(pid)
+                return context
 
             return PerWorkerProcesses(start_one, {
                 lr: live_worker_env(env, live_store, generation) for lr, env in envs.items()})

@@ -151,6 +151,20 @@ def test_the_torch_view_is_a_failure_while_unhandled_and_return_values_at_the_en
     workers.close()
 
 
+def test_as_polled_hides_a_failure_until_live_recovery_polled_it() -> None:
+    # torch's monitor calls wait(0) after the agent's own poll: a worker that died in
+    # between must not reach torch's restart path before the agent's next look.
+    workers, started = _workers(2)
+    assert workers.poll_failed() == ({}, 2)
+    started[1].outcome = _Result(failures={0: _Failure()})
+    with workers.as_polled():
+        assert workers.wait(0) is None
+    assert workers.pids(running_only=True) == {0: 100, 1: 101}
+    failed, running = workers.poll_failed()
+    assert list(failed) == [1] and running == 1
+    assert workers.pids(running_only=True) == {0: 100}
+
+
 # ---- what a run shows -----------------------------------------------------------------------
 LIVE = {"event": "recovery", "kind": "live", "restart": 0, "step": 15, "world_size": 2,
         "previous_world_size": 2, "failed_ranks": [1], "steps_redone": 1, "seconds": 0.25,
