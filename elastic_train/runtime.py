@@ -38,6 +38,7 @@ from elastic_train.env import WorkerEnv
 from elastic_train.errors import LiveRecoveryError
 from elastic_train.event_schema import (
     End,
+    Hang,
     Preempted,
     Recovery,
     Rendezvous,
@@ -50,6 +51,7 @@ from elastic_train.live_recovery import Failure, LiveWorld
 from elastic_train.preemption import StopRequest, node_stopped
 from elastic_train.rundir import RunDir
 from elastic_train.save_failure import SaveFailureStop
+from elastic_train.watchdog import NoWatchdog, StepWatchdog
 
 OWN_FAILURE_GRACE = 2.0
 """Seconds a step that failed outside a collective (the loop's own error) waits for a
@@ -365,6 +367,30 @@ class WorkerRuntime:
                 for name, obj in objects.items():
                     obj.load_state_dict(received[name])
         return Rejoined(self.group, newest, 1 if max(tried) > newest else 0, sent, source)
+
+    # ---- the step watchdog ---------------------------------------------------------------
+    def step_watchdog(self, step_timeout: float | None) -> StepWatchdog | NoWatchdog:
+        """A watchdog for this world (not started): a rank whose loop completes no step
+        for ``step_timeout`` seconds is named, killed when it runs on this host, and
+        recorded as a ``hang`` event (watchdog.py). Under live recovery the agent starts
+        it again and the world re-forms in place; else this worker fails and the job
+        restarts from its newest checkpoint. None: no watchdog."""
+        if step_timeout is None:
+            return NoWatchdog()
+        events_file = self.run_dir.events
+        restart = self.env.restart_count
+
+        def report(finding: dict[str, Any]) -> None:
+            # Any rank may find the hang (rank 0 may be the stuck one): append directly.
+            log_ = EventLog(events_file)
+            log_.emit(Hang(restart=restart,
+                           finding={k: v for k, v in finding.items() if k != "message"}))
+            log_.close()
+            print(f"elastic_train: error: {finding['message']}", file=sys.stderr, flush=True)
+
+        store = distributed.default_store() if self.group.world_size > 1 else None
+        return StepWatchdog(store, self.group.rank, self.group.world_size, step_timeout,
+                            report, replaces_killed=self.live is not None)
 
     # ---- the step boundary ---------------------------------------------------------------
     @property

@@ -67,6 +67,7 @@ from elastic_train.runtime import WorkerRuntime
 from elastic_train.sampler import ElasticBatchSampler
 from elastic_train.seeding import derive_seed
 from elastic_train.timeline import process_start_time
+from elastic_train.watchdog import NoWatchdog, StepWatchdog
 from elastic_train.worker_start import name_process
 
 RECOVERY_MODES = ("live", "restart")
@@ -124,7 +125,7 @@ class ElasticSession:
                  seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
                  preemption_budget: float | None = 25.0, on_save_failure: str = "continue",
                  deterministic: bool = False, recovery: str = "live",
-                 env: WorkerEnv | None = None) -> None:
+                 step_timeout: float | None = None, env: WorkerEnv | None = None) -> None:
         """``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit (keep
         it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python.
         ``on_save_failure``: ``continue`` (train on, keep the last good checkpoint, warn)
@@ -132,7 +133,11 @@ class ElasticSession:
         ``deterministic``: deterministic CUDA kernels (determinism.py), for a bitwise
         resume on a GPU. ``recovery``: ``live`` (re-form the world in place, under
         ``elastic-train run``; see the module docstring) or ``restart`` (every failure
-        restarts the workers from the newest checkpoint)."""
+        restarts the workers from the newest checkpoint). ``step_timeout``: seconds without
+        a completed step after which a rank is named as hung (a stopped process, a wedged
+        collective) and killed where it runs on this host, so that the world re-forms
+        (live recovery) or the job restarts, instead of waiting out ``timeout_seconds``;
+        None (the default): no step watchdog (the built-in job's ``--step-timeout``)."""
         if checkpoint_every is not None and checkpoint_every <= 0:
             raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
                               "positive number of steps, or None")
@@ -145,6 +150,9 @@ class ElasticSession:
         if recovery not in RECOVERY_MODES:
             raise ConfigError(f"recovery {recovery!r} is invalid: use one of "
                               f"{', '.join(RECOVERY_MODES)}")
+        if step_timeout is not None and step_timeout <= 0:
+            raise ConfigError(f"step_timeout {step_timeout} is invalid: it must be a positive "
+                              "number of seconds, or None")
         if deterministic:
             make_deterministic()
         env = env or read_worker_env()
@@ -179,6 +187,8 @@ class ElasticSession:
         self._own_loader = False
         self._ddps: list[DistributedDataParallel] = []
         self._failures = StepFailures()
+        self._step_timeout = step_timeout
+        self._watchdog: StepWatchdog | NoWatchdog = NoWatchdog()
 
     @property
     def env(self) -> WorkerEnv:
@@ -309,8 +319,15 @@ class ElasticSession:
                     self._skip_failed_steps(obj)
             live.ready()
             live.start()
+        self._watch_steps()
         torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
         return step
+
+    def _watch_steps(self) -> None:
+        """A step watchdog for this world, from now on (``step_timeout``)."""
+        self._watchdog.stop()
+        self._watchdog = self.runtime.step_watchdog(self._step_timeout).start()
+        self._watchdog.phase("the loop's step")
 
     def _skip_failed_steps(self, obj: Any) -> None:
         """Make ``obj.step()`` do nothing in a step whose gradient all-reduce failed: its
@@ -431,6 +448,7 @@ class ElasticSession:
             self._recover_in_place(failed_at, attempted=self.step_count + 1)
             return False
         self._counter.step += 1
+        self._watchdog.progress(self.step_count)
         if self._sampler is not None:
             self._sampler.advance()
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
@@ -445,6 +463,7 @@ class ElasticSession:
             self._recover_in_place(failed_at)
             return False
         if vote.ends_loop:
+            self._watchdog.stop()  # the stop's checkpoint may take long: not a stalled step
             self.runtime.end(self.step_count, self._objects, vote)
             return True
         self.runtime.save_if_due(self.step_count, self._objects)
@@ -466,6 +485,7 @@ class ElasticSession:
                 "(worker processes), cut for the old world: build it with "
                 "session.dataloader(...), which starts again at the step to redo; the job "
                 "restarts from its newest checkpoint")
+        self._watchdog.stop()
         for obj in self._objects.values():
             if isinstance(obj, torch.optim.Optimizer):
                 obj.zero_grad(set_to_none=True)
@@ -476,6 +496,7 @@ class ElasticSession:
                                         failed_at=failed_at, failed=failed),
             step)
         self._follow_world()
+        self._watch_steps()
 
     def _follow_world(self) -> None:
         """After a re-formation: DDP on the new process group, the sampler's share of the
@@ -500,6 +521,7 @@ class ElasticSession:
         """
         if export is not None:
             check_weights_file(Path(export))
+        self._watchdog.stop()  # the final checkpoint may take long: not a stalled step
         if self.stopped_at is None:
             target = None if export is None or not self._objects else Path(export)
             model = self._objects.get("model")
@@ -509,6 +531,7 @@ class ElasticSession:
         self.runtime.raise_if_node_stopped()
 
     def _leave(self) -> None:
+        self._watchdog.stop()
         self.runtime.close()
         distributed.destroy_group()
 

@@ -31,8 +31,8 @@ from elastic_train.distributed import Group
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
 from elastic_train.event_schema import BatchPlan as BatchPlanEvent
-from elastic_train.event_schema import Hang, Startup, Step
-from elastic_train.events import EventLog, EventObserver, read_events
+from elastic_train.event_schema import Startup, Step
+from elastic_train.events import EventObserver, read_events
 from elastic_train.live_recovery import LiveWorld
 from elastic_train.progress import Progress
 from elastic_train.rundir import RunDir
@@ -42,7 +42,6 @@ from elastic_train.seeding import derive_seed
 from elastic_train.summary import RunSummary, summarize
 from elastic_train.tasks.base import Task, collate
 from elastic_train.timeline import process_start_time
-from elastic_train.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +242,8 @@ class Trainer:
             self._announce(restored)
         ddp: DistributedDataParallel | None = self._wrap_model(in_sync=arriving)
         self._marks["ddp_ready"] = time.time()
-        self.watchdog = self._make_watchdog().start()
+        self.watchdog = self.runtime.step_watchdog(
+            self.config.distributed.step_timeout_seconds).start()
         # A resume at the last step runs no step at all.
         first_step, vote = True, GO_ON
         while self.state.step < cfg.steps:
@@ -326,7 +326,8 @@ class Trainer:
         if self.group.world_size != world_before:  # the batch policy of the new world
             self._plan_batch(None)
         new_ddp = self._wrap_model(in_sync=True)
-        self.watchdog = self._make_watchdog().start()
+        self.watchdog = self.runtime.step_watchdog(
+            self.config.distributed.step_timeout_seconds).start()
         return new_ddp
 
     def _rejoin(self, first: Callable[[], Rejoined], has_state: bool = True) -> Rejoined:
@@ -344,24 +345,6 @@ class Trainer:
             self.progress = Progress(self.out, cfg.steps, cfg.batch_size, cfg.log_every)
             self.events.observers = (*self.events.observers, self.progress.observe)
         return rejoined
-
-    def _make_watchdog(self) -> StepWatchdog | _NoWatchdog:
-        timeout = self.config.distributed.step_timeout_seconds
-        if timeout is None:
-            return _NoWatchdog()
-        events_file = self.run_dir.events
-
-        def report(finding: dict[str, Any]) -> None:
-            # Any rank may find the hang (rank 0 may be the stuck one): append directly.
-            log_ = EventLog(events_file)
-            log_.emit(Hang(restart=self.env.restart_count,
-                           finding={k: v for k, v in finding.items() if k != "message"}))
-            log_.close()
-            print(f"elastic_train: error: {finding['message']}", file=sys.stderr, flush=True)
-
-        store = distributed.default_store() if self.group.world_size > 1 else None
-        return StepWatchdog(store, self.group.rank, self.group.world_size, timeout, report,
-                            replaces_killed=self.runtime.live is not None)
 
     def _plan_batch(self, restored: Restored | None) -> None:
         """Fix this incarnation's global batch and LR scale (after the restore: W0 is in it)."""
@@ -422,19 +405,6 @@ class Trainer:
             self.progress.message(text)
         else:
             print(text, file=self.out, flush=True)
-
-
-class _NoWatchdog:
-    """Stands in when --step-timeout is off."""
-
-    def start(self) -> _NoWatchdog:
-        return self
-
-    def stop(self) -> None: ...
-
-    def phase(self, where: str) -> None: ...
-
-    def progress(self, step: int) -> None: ...
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

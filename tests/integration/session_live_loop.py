@@ -1,6 +1,7 @@
 """A hand-written loop on ElasticSession for the live-recovery tests (test_session_live.py).
 
     elastic-train run [options] session_live_loop.py RUN_DIR STEPS PACE_SECONDS [plain-ddp]
+        [step-timeout=SECONDS]
 
 A step loop over the session's DataLoader (a global batch of 16, the same at any world
 size) with an LR scheduler. Each rank records the sample indices of every step it starts,
@@ -8,6 +9,7 @@ before its gradients are reduced, with the generation of the world it trains in:
 redone in a newer generation is recorded again, and the newest generation's records are
 the ones that made the weights. ``plain-ddp`` wraps the model in DDP itself instead of
 ``session.wrap``: live recovery is then impossible, and the job takes the restart path.
+``step-timeout=SECONDS`` gives the session a step watchdog.
 """
 
 import json
@@ -23,7 +25,9 @@ from torch.utils.data import Dataset
 from elastic_train import ElasticSession
 
 RUN_DIR, STEPS, PACE = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-PLAIN_DDP = sys.argv[4:] == ["plain-ddp"]
+PLAIN_DDP = "plain-ddp" in sys.argv[4:]
+STEP_TIMEOUT = next((float(a.split("=", 1)[1]) for a in sys.argv[4:]
+                     if a.startswith("step-timeout=")), None)
 SAMPLES = 256
 GLOBAL_BATCH = 16
 
@@ -44,7 +48,8 @@ class Indexed(Dataset):
 
 
 def main() -> None:
-    session = ElasticSession(RUN_DIR, checkpoint_every=10, keep_checkpoints=100)
+    session = ElasticSession(RUN_DIR, checkpoint_every=10, keep_checkpoints=100,
+                             step_timeout=STEP_TIMEOUT)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
     ddp = DistributedDataParallel(model) if PLAIN_DDP else session.wrap(model)

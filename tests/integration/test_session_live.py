@@ -11,7 +11,9 @@ the world it trains in.
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -119,6 +121,39 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
     assert_each_sample_once_in_order(run_dir, STEPS)
     assert harness.digest_at(run_dir, STEPS) == reference
     assert "live recovery: rank 1 started again" in job.output()
+
+
+def test_a_stopped_worker_of_a_hand_written_loop_is_named_killed_and_replaced_in_place(
+        reference: str, tmp_path: Path) -> None:
+    """SIGSTOP of rank 1 with ``ElasticSession(step_timeout=3)``: within the step timeout
+    rank 0's watchdog names rank 1 and kills it, the agent starts it again, the world
+    re-forms in place (rank 0 keeps its process), and the run still ends bitwise exact."""
+    run_dir = tmp_path / "run"
+    job = script_run(run_dir, STEPS, 0.03, extra=("step-timeout=3",))
+    try:
+        job.wait_for_event(_step(12), TIMEOUT)
+        pids = job.worker_pids()
+        stopped_at = time.monotonic()
+        job.kill_worker(1, signal.SIGSTOP)
+        hang = job.wait_for_event(lambda e: e["event"] == "hang", TIMEOUT)
+        recovery = job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
+        recovered_after = time.monotonic() - stopped_at
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert hang["stuck_rank"] == 1 and hang["killed_pid"] == pids[1], hang
+    assert hang["detected_by"] == 0 and hang["stalled_seconds"] >= 3, hang
+    assert recovery["kind"] == "live" and recovery["failed_ranks"] == [1], recovery
+    assert recovery["steps_redone"] <= 1, recovery
+    assert 3 <= recovered_after < 3 + 10, recovered_after
+    assert harness.workers_of(job.proc.pid).get(0, pids[0]) == pids[0]  # rank 0 kept
+    names = [e["event"] for e in job.events()]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names, job.report()
+    assert_each_sample_once_in_order(run_dir, STEPS)
+    assert harness.digest_at(run_dir, STEPS) == reference
+    out = job.output()
+    assert "rank 0: no step completed for" in out and "step-timeout 3" in out, out
+    assert "the agent starts it again and the world re-forms in place" in out, out
 
 
 def test_a_loop_on_plain_ddp_says_why_and_takes_the_restart_path(reference: str,
