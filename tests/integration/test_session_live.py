@@ -1,7 +1,7 @@
 """Live recovery of a hand-written loop (``ElasticSession`` under ``elastic-train run
 SCRIPT``): the same guarantees as the built-in trainer's (test_live_recovery.py,
-test_multinode.py), with real workers, real SIGKILLs and a real c10d rendezvous of two
-agents on this machine.
+test_multinode.py), with real workers, real SIGKILLs, a real SIGSTOP, and a real c10d
+or etcd-v3 rendezvous of two agents on this machine.
 
 The loop is session_live_loop.py: a step loop over the session's DataLoader with an LR
 scheduler, recording the samples each rank starts each step with, and the generation of
@@ -31,6 +31,7 @@ SCRIPT = Path(__file__).with_name("session_live_loop.py")
 SAMPLES, GLOBAL_BATCH, SEED = 256, 16, 0
 TIMEOUT = 120
 FAST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+FAST_V3 = "last_call_timeout=1,lease_ttl=3,join_timeout=60"
 
 
 def script_run(run_dir: Path, steps: int, pace: float, launcher: list[str] | None = None,
@@ -176,20 +177,27 @@ def test_a_loop_on_plain_ddp_says_why_and_takes_the_restart_path(reference: str,
     assert harness.digest_at(run_dir, STEPS) == reference
 
 
-def test_a_hand_written_loop_grows_and_shrinks_in_place_across_c10d_nodes(
-        tmp_path: Path) -> None:
-    """Two agents on c10d (node-a hosts the store): node-a trains alone, node-b joins (the
-    survivor pauses at a step boundary, nothing redone, node-b's worker receives the
-    state), then node-b is killed (node-a re-forms alone, at most the step in flight
-    redone). Node-a's worker keeps its process throughout, no checkpoint is loaded, and
-    each sample is used once per epoch across both resizes."""
-    run_dir, port, steps = tmp_path / "run", free_port(), 400
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
+def test_a_hand_written_loop_grows_and_shrinks_in_place_across_nodes(
+        backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Two agents on c10d (node-a hosts the store) or on etcd-v3 (a real etcd, v3 API
+    only): node-a trains alone, node-b joins (the survivor pauses at a step boundary,
+    nothing redone, node-b's worker receives the state), then node-b is killed (node-a
+    re-forms alone, at most the step in flight redone). Node-a's worker keeps its process
+    throughout, no checkpoint is loaded, and each sample is used once per epoch across
+    both resizes."""
+    run_dir, steps = tmp_path / "run", 400
+    if backend == "etcd-v3":
+        endpoint = request.getfixturevalue("etcd_v3").endpoint
+    else:
+        endpoint = f"127.0.0.1:{free_port()}"
 
     def node(name: str) -> harness.Job:
-        conf = f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
+        conf = FAST_V3 if backend == "etcd-v3" else \
+            f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
         return script_run(run_dir, steps, 0.03, [
             "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={tmp_path.name}", f"--rdzv-conf={conf}"], name)
 
     a = node("node-a")
