@@ -31,7 +31,8 @@ trainer (runtime.py: ``failed_step``, ``recover``). A hand-written loop's step h
 point before ``optimizer.step()``, so the session makes one: ``wrap(model)`` gives DDP a
 gradient all-reduce that records a failure instead of raising it
 (``distributed.forgiving_allreduce_hook``), the ``step()`` of the registered optimizers and
-LR schedulers does nothing in a step that failed, and ``step(loss)`` then re-forms the
+LR schedulers does nothing in a step that failed (a registered GradScaler's ``update()``
+keeps its scale; ``step_failed`` tells the loop's own code), and ``step(loss)`` then re-forms the
 world: the survivors keep their processes and state, the lowest rank holding the newest
 step sends it to the others, the sampler and the session's DataLoader go back to the step
 in flight (redone, nothing else), and the DDP module moves to the new process group.
@@ -315,8 +316,7 @@ class ElasticSession:
             step = 0 if restored is None else restored.step
         if live is not None:
             for obj in objects.values():
-                if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
-                    self._skip_failed_steps(obj)
+                self._skip_failed_steps(obj)
             live.ready()
             live.start()
         self._watch_steps()
@@ -329,27 +329,52 @@ class ElasticSession:
         self._watchdog = self.runtime.step_watchdog(self._step_timeout).start()
         self._watchdog.phase("the loop's step")
 
+    @property
+    def step_failed(self) -> bool:
+        """True from a failed gradient all-reduce (a peer lost) to the next ``step()``: this
+        step is not applied and will be redone. State the loop changes after
+        ``optimizer.step()`` by itself (an EMA of the weights) should skip it then:
+        ``if not session.step_failed: ema.update(model)``. Always False without
+        live recovery (a failure there raises)."""
+        return self._failures.error is not None
+
     def _skip_failed_steps(self, obj: Any) -> None:
-        """Make ``obj.step()`` do nothing in a step whose gradient all-reduce failed: its
-        gradients are not the step's (the commit point a hand-written loop lacks)."""
+        """Make ``obj`` change nothing in a step whose gradient all-reduce failed: its
+        gradients are not the step's (the commit point a hand-written loop lacks). An
+        optimizer's and an LR scheduler's ``step()`` do nothing; a GradScaler's ``update()``
+        keeps its scale and growth count (and still clears the step's records)."""
         failures = self._failures
-        is_optimizer = isinstance(obj, torch.optim.Optimizer)
-        original = obj.step if is_optimizer else type(obj).step
+        if isinstance(obj, torch.optim.Optimizer):
+            step = obj.step
 
-        def step(target: Any, *args: Any, **kwargs: Any) -> Any:
-            if failures.error is not None:
-                return None
-            return original(*args, **kwargs) if is_optimizer \
-                else original(target, *args, **kwargs)
+            def gated_step(target: Any, *args: Any, **kwargs: Any) -> Any:
+                return None if failures.error is not None else step(*args, **kwargs)
 
-        if is_optimizer:
+            if hasattr(step, "_wrapped_by_lr_sched"):  # an LR scheduler's, called through
+                gated_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             # A bound method, as torch's LR schedulers expect of optimizer.step when they
             # wrap it to count the calls.
-            obj.step = types.MethodType(step, obj)
-        else:  # an LR scheduler's state_dict() is its __dict__: the gate goes in a subclass
+            obj.step = types.MethodType(gated_step, obj)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             base = type(obj)
+
+            def gated_scheduler_step(target: Any, *args: Any, **kwargs: Any) -> Any:
+                return None if failures.error is not None \
+                    else base.step(target, *args, **kwargs)
+
+            # Its state_dict() is its __dict__: the gate goes in a subclass, not the instance.
             obj.__class__ = type(base.__name__, (base,), {
-                "step": step, "__module__": base.__module__, "__qualname__": base.__qualname__})
+                "step": gated_scheduler_step, "__module__": base.__module__,
+                "__qualname__": base.__qualname__})
+        elif isinstance(obj, torch.amp.GradScaler):
+            update = obj.update
+
+            def gated_update(target: Any, new_scale: Any = None) -> None:
+                if failures.error is not None:
+                    new_scale = target.get_scale()  # as it was: no growth, no back-off
+                update(new_scale)
+
+            obj.update = types.MethodType(gated_update, obj)
 
     def epochs(self, count: int) -> Iterator[int]:
         """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.

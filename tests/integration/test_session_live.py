@@ -78,22 +78,39 @@ def _step(n: int):
 STEPS = 60
 
 
+def ema_digest(run_dir: Path) -> str:
+    """The digest of the loop's final EMA of the weights (rank 0 writes it)."""
+    return (run_dir / "ema.sha256").read_text()
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("session-reference") / "run"
     job = script_run(run_dir, STEPS, 0.0)
     assert job.wait(TIMEOUT) == 0, job.report()
-    return harness.digest_at(run_dir, STEPS)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Path) -> str:
+    return harness.digest_at(reference_run, STEPS)
+
+
+@pytest.fixture(scope="module")
+def reference_ema(reference_run: Path) -> str:
+    return ema_digest(reference_run)
 
 
 def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
-        reference: str, tmp_path: Path) -> None:
+        reference: str, reference_ema: str, tmp_path: Path) -> None:
     """Rank 1 killed mid-run, then rank 0 (the checkpoint writer) right after a checkpoint
-    step: each time only the dead worker starts again, the survivor keeps its process and
-    sends the state, at most the step in flight is redone, no checkpoint is loaded, each
-    sample is used once per epoch, and the weights are those of a run never killed."""
+    step, then rank 1 crashing after its forward (rank 0 fails inside the gradient
+    all-reduce: the step is not applied, not even to the loop's EMA, and redone): each
+    time only the dead worker starts again, the survivor keeps its process and sends the
+    state, at most the step in flight is redone, no checkpoint is loaded, each sample is
+    used once per epoch, and the weights and the EMA are those of a run never killed."""
     run_dir = tmp_path / "run"
-    job = script_run(run_dir, STEPS, 0.03)
+    job = script_run(run_dir, STEPS, 0.03, extra=("crash-at=45:1",))
     kept = []
     try:
         job.wait_for_event(_step(12), TIMEOUT)
@@ -108,24 +125,30 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
         harness.new_pid(job, 0, pids[0])
         job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 30, TIMEOUT)
         kept.append(job.worker_pids()[1] == pids[1])
+        pids = job.worker_pids()
+        job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 44, TIMEOUT)
+        kept.append(job.worker_pids()[0] == pids[0])
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
-    assert kept == [True, True], job.report()
+    assert kept == [True, True, True], job.report()
     events = job.events()
     names = [e["event"] for e in events]
     assert names.count("start") == 1 and "checkpoint_loaded" not in names, job.report()
     recoveries = [e for e in events if e["event"] == "recovery"]
     assert [(e["kind"], e["failed_ranks"]) for e in recoveries] == \
-        [("live", [1]), ("live", [0])], recoveries
+        [("live", [1]), ("live", [0]), ("live", [1])], recoveries
+    # the crash inside step 45: step 44 is what everyone holds, step 45 is redone
+    assert (recoveries[2]["step"], recoveries[2]["steps_redone"]) == (44, 1), recoveries
     assert all(e["steps_redone"] <= 1 and e["bytes"] > 0 for e in recoveries), recoveries
     assert_each_sample_once_in_order(run_dir, STEPS)
     assert harness.digest_at(run_dir, STEPS) == reference
+    assert ema_digest(run_dir) == reference_ema  # updated once per step that counted
     assert "live recovery: rank 1 started again" in job.output()
 
 
 def test_a_stopped_worker_of_a_hand_written_loop_is_named_killed_and_replaced_in_place(
-        reference: str, tmp_path: Path) -> None:
+        reference: str, reference_ema: str, tmp_path: Path) -> None:
     """SIGSTOP of rank 1 with ``ElasticSession(step_timeout=3)``: within the step timeout
     rank 0's watchdog names rank 1 and kills it, the agent starts it again, the world
     re-forms in place (rank 0 keeps its process), and the run still ends bitwise exact."""
@@ -152,13 +175,14 @@ def test_a_stopped_worker_of_a_hand_written_loop_is_named_killed_and_replaced_in
     assert names.count("start") == 1 and "checkpoint_loaded" not in names, job.report()
     assert_each_sample_once_in_order(run_dir, STEPS)
     assert harness.digest_at(run_dir, STEPS) == reference
+    assert ema_digest(run_dir) == reference_ema
     out = job.output()
     assert "rank 0: no step completed for" in out and "step-timeout 3" in out, out
     assert "the agent starts it again and the world re-forms in place" in out, out
 
 
-def test_a_loop_on_plain_ddp_says_why_and_takes_the_restart_path(reference: str,
-                                                                 tmp_path: Path) -> None:
+def test_a_loop_on_plain_ddp_says_why_and_takes_the_restart_path(
+        reference: str, reference_ema: str, tmp_path: Path) -> None:
     """``DDP(model)`` instead of ``session.wrap(model)``: the session cannot recover in
     place; rank 0 says so once, and a killed worker restarts every worker from the newest
     checkpoint, still exact."""
@@ -175,6 +199,7 @@ def test_a_loop_on_plain_ddp_says_why_and_takes_the_restart_path(reference: str,
     assert [e["step"] for e in events if e["event"] == "checkpoint_loaded"] == [10]
     assert job.output().count(f"elastic_train: {LIVE_NEEDS_WRAP}") == 1, job.report()
     assert harness.digest_at(run_dir, STEPS) == reference
+    assert ema_digest(run_dir) == reference_ema  # from the checkpoint
 
 
 @pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])

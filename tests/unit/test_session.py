@@ -313,3 +313,49 @@ def test_the_sampler_hands_out_the_step_to_redo_after_a_reshard() -> None:
     sampler.reshard(rank=0, world_size=1, batch_size=8)   # ... fails; world of 1
     assert next(it) == order[8:16]          # step 2 again, all of it
     assert sampler.read_ahead == 1 and sampler.reshards == 1
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # no "optimizer.step() overridden" either
+def test_a_failed_step_changes_no_optimizer_scheduler_or_scaler(tmp_path: Path) -> None:
+    """The gates live recovery puts on what restore() registers (a failure is recorded
+    here by hand; the real one, a lost peer, is tests/integration/test_session_live.py)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    session = ElasticSession(tmp_path / "run", env=WorkerEnv())
+    try:
+        for obj in (optimizer, scheduler, scaler):
+            session._skip_failed_steps(obj)
+
+        def one_step() -> None:
+            optimizer.zero_grad()
+            scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+
+        one_step()  # applied: the scale grows (growth_interval 1), the LR decays
+        assert scaler.get_scale() == 16.0 and scheduler.last_epoch == 1
+        weights, lr = [p.clone() for p in model.parameters()], scheduler.get_last_lr()
+        optimizer_state = optimizer.state_dict()["state"][0]["step"].item()
+
+        session._failures.error = RuntimeError("the gradient all-reduce failed")
+        assert session.step_failed
+        one_step()  # not applied: nothing changes, and the scaler's records are cleared
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(),
+                                                     strict=True))
+        assert scaler.get_scale() == 16.0 and scaler.state_dict()["_growth_tracker"] == 0
+        assert scheduler.last_epoch == 1 and scheduler.get_last_lr() == lr
+        assert optimizer.state_dict()["state"][0]["step"].item() == optimizer_state
+        # the gates stay out of what is checkpointed
+        assert "step" not in scheduler.state_dict() and "update" not in scaler.state_dict()
+
+        session._failures.take()
+        assert not session.step_failed
+        one_step()  # the redone step applies again
+        assert scaler.get_scale() == 32.0 and scheduler.last_epoch == 2
+        assert not torch.equal(weights[0], model.weight)
+    finally:
+        session.close()
