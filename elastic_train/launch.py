@@ -208,8 +208,11 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
     --recovery; live_agent.py; a script's ElasticSession chooses for itself)."""
 
     from elastic_train.live_agent import live_agent_installed
+    from elastic_train.rendezvous.config import single_node
+    from elastic_train.store_binding import node_store_host, rendezvous_store_on_loopback
 
-    with live_agent_installed(recovery):
+    listen_host = node_store_host(single_node(args.nnodes), args.local_addr)
+    with live_agent_installed(recovery, listen_host), rendezvous_store_on_loopback():
         _launch_agent(args, job_args, worker_start, script)
 
 

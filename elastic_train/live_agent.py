@@ -86,6 +86,7 @@ from elastic_train.live_recovery import (
     Announcement,
     announcement_key,
 )
+from elastic_train.store_binding import listening_store
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
     recovery = "live"
     """'live' or 'restart' (the job's --recovery); set by ``live_agent_installed``."""
+    listen_host: str | None = None
+    """The IP address the agent's store listens on (None: every interface); set by
+    ``live_agent_installed`` (store_binding.node_store_host)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -268,10 +272,14 @@ class LiveRecoveryAgent(LocalElasticAgent):
         if self._node_store is not None:
             return
         # for the agent's life; the workers' keys carry the restart count
-        self._node_store = dist.TCPStore(worker_group.master_addr or "127.0.0.1", 0,
-                                         is_master=True, wait_for_workers=False,
-                                         timeout=timedelta(seconds=60))
-        host = worker_group.spec.local_addr or socket.getfqdn()
+        options: dict[str, Any] = {"wait_for_workers": False, "timeout": timedelta(seconds=60)}
+        if self.listen_host is not None:  # where its clients are (store_binding.py)
+            self._node_store = listening_store(self.listen_host, 0, **options)
+            host = self.listen_host
+        else:
+            self._node_store = dist.TCPStore(worker_group.master_addr or "127.0.0.1", 0,
+                                             is_master=True, **options)
+            host = worker_group.spec.local_addr or socket.getfqdn()
         self.address = f"{host}:{self._node_store.port}"
         if hasattr(self._node_store, "queue_pop"):
             self._waker = threading.Thread(target=self._wait_for_calls, args=(
@@ -685,12 +693,13 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
 
 @contextlib.contextmanager
-def live_agent_installed(recovery: str) -> Iterator[None]:
+def live_agent_installed(recovery: str, listen_host: str | None = None) -> Iterator[None]:
     """Make torch's launcher run ``LiveRecoveryAgent`` (for ``elastic-train run``)."""
     from torch.distributed.launcher import api
 
     original = api.LocalElasticAgent
     LiveRecoveryAgent.recovery = recovery
+    LiveRecoveryAgent.listen_host = listen_host
     api.LocalElasticAgent = LiveRecoveryAgent  # type: ignore[misc]
     try:
         yield

@@ -235,6 +235,32 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def listening(pid: int) -> list[tuple[str, int]]:
+    """The (address, port) of every TCP socket process ``pid`` listens on (from /proc)."""
+    import ipaddress
+
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address, port = local.split(":")
+            raw = bytes.fromhex(address)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found
+
+
 def workers_of(agent_pid: int) -> dict[int, int]:
     """{rank: pid} of a torchrun agent's worker processes.
 

@@ -114,6 +114,9 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
     kept = []
     try:
         job.wait_for_event(_step(12), TIMEOUT)
+        # a job of one node: both of the agent's stores (the c10d rendezvous' and its own)
+        # listen on loopback only
+        agent_listens = harness.listening(job.proc.pid)
         pids = job.worker_pids()
         job.kill_worker(1)
         harness.new_pid(job, 1, pids[1])
@@ -132,6 +135,8 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
     finally:
         job.stop()
     assert kept == [True, True, True], job.report()
+    assert len(agent_listens) == 2 and {a for a, _ in agent_listens} == {"127.0.0.1"}, \
+        agent_listens
     events = job.events()
     names = [e["event"] for e in events]
     assert names.count("start") == 1 and "checkpoint_loaded" not in names, job.report()
@@ -229,6 +234,8 @@ def test_a_hand_written_loop_grows_and_shrinks_in_place_across_nodes(
     nodes = [a]
     try:
         a.wait_for_event(_step(5), TIMEOUT)
+        rendezvous_listens = [a for a, port in harness.listening(a.proc.pid)
+                              if f"127.0.0.1:{port}" == endpoint]
         pids = [a.worker_pids()[0]]
         nodes.append(b := node("node-b"))
         grown = a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 2,
@@ -244,6 +251,8 @@ def test_a_hand_written_loop_grows_and_shrinks_in_place_across_nodes(
         for n in nodes:
             n.stop()
     assert pids[0] == pids[1] == pids[2], a.report()
+    if backend == "c10d":  # node-a hosts the store of an endpoint on loopback: loopback only
+        assert rendezvous_listens == ["127.0.0.1"], rendezvous_listens
     events = a.events()
     names = [e["event"] for e in events]
     assert names.count("start") == 1 and "checkpoint_loaded" not in names, a.report()
