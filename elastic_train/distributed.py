@@ -233,6 +233,10 @@ def forgiving_allreduce_hook(state: StepFailures, bucket: dist.GradBucket
             return buffer
 
     try:
+        if _aborted is not None:  # no collective on a world that is being left: its work
+            # would outlive the step, and a gloo group freed while its thread still ends
+            # that work deadlocks on the GIL (seen in a test that dropped such a group)
+            raise CollectiveAborted(_aborted)
         buffer.mul_(1.0 / dist.get_world_size())
         work = dist.all_reduce(buffer, async_op=True)
     except Exception as exc:  # the group already failed (aborted, or its peer is gone)

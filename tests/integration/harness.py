@@ -291,6 +291,29 @@ def new_pid(job: Job, rank: int, old: int, timeout: float = 30) -> int:
                          f"{job.report()}")
 
 
+@dataclass
+class HungAndReplaced:
+    """What a SIGSTOP of one worker under live recovery and ``--step-timeout`` led to."""
+
+    pids: dict[int, int]  # the workers' pids before the stop
+    hang: dict[str, Any]  # the watchdog's hang event
+    recovery: dict[str, Any]  # the first recovery event after it
+    seconds: float  # stop -> recovery event seen
+    exit_code: int  # the job's, once it finished
+
+
+def stop_until_replaced(job: Job, rank: int, timeout: float) -> HungAndReplaced:
+    """SIGSTOP ``rank``; wait for the watchdog's ``hang`` event, the recovery, and the
+    job's end (each bounded by ``timeout``)."""
+    pids = job.worker_pids()
+    stopped_at = time.monotonic()
+    job.kill_worker(rank, signal.SIGSTOP)
+    hang = job.wait_for_event(lambda e: e["event"] == "hang", timeout)
+    recovery = job.wait_for_event(lambda e: e["event"] == "recovery", timeout)
+    seconds = time.monotonic() - stopped_at
+    return HungAndReplaced(pids, hang, recovery, seconds, job.wait(timeout))
+
+
 def start(argv: Sequence[str], run_dir: Path, env: dict[str, str] | None = None,
           cwd: Path | None = None, log_name: str | None = None) -> Job:
     """Start ``argv`` in its own process group, output to ``run_dir``/../<log_name>.log."""

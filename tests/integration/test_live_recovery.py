@@ -169,19 +169,15 @@ def test_a_stopped_worker_is_named_killed_and_replaced_in_place(
     job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "2", "--step-timeout", "3"])
     try:
         job.wait_for_event(_step(12), TIMEOUT)
-        pids = job.worker_pids()
-        stopped_at = time.monotonic()
-        job.kill_worker(1, signal.SIGSTOP)
-        hang = job.wait_for_event(lambda e: e["event"] == "hang", TIMEOUT)
-        recovery = job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
-        recovered_after = time.monotonic() - stopped_at
-        assert job.wait(TIMEOUT) == 0, job.report()
+        seen = harness.stop_until_replaced(job, 1, TIMEOUT)
+        assert seen.exit_code == 0, job.report()
     finally:
         job.stop()
-    assert hang["stuck_rank"] == 1 and hang["killed_pid"] == pids[1], hang
+    hang, recovery = seen.hang, seen.recovery
+    assert hang["stuck_rank"] == 1 and hang["killed_pid"] == seen.pids[1], hang
     assert recovery["kind"] == "live" and recovery["failed_ranks"] == [1], recovery
-    assert recovered_after < 3 + 10, recovered_after
-    assert harness.workers_of(job.proc.pid).get(0, pids[0]) == pids[0]
+    assert seen.seconds < 3 + 10, seen.seconds
+    assert harness.workers_of(job.proc.pid).get(0, seen.pids[0]) == seen.pids[0]
     names = [e["event"] for e in job.events()]
     assert names.count("start") == 1 and "checkpoint_loaded" not in names
     assert "the agent starts it again and the world re-forms in place" in job.output()

@@ -11,9 +11,7 @@ the world it trains in.
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -161,21 +159,17 @@ def test_a_stopped_worker_of_a_hand_written_loop_is_named_killed_and_replaced_in
     job = script_run(run_dir, STEPS, 0.03, extra=("step-timeout=3",))
     try:
         job.wait_for_event(_step(12), TIMEOUT)
-        pids = job.worker_pids()
-        stopped_at = time.monotonic()
-        job.kill_worker(1, signal.SIGSTOP)
-        hang = job.wait_for_event(lambda e: e["event"] == "hang", TIMEOUT)
-        recovery = job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
-        recovered_after = time.monotonic() - stopped_at
-        assert job.wait(TIMEOUT) == 0, job.report()
+        seen = harness.stop_until_replaced(job, 1, TIMEOUT)
+        assert seen.exit_code == 0, job.report()
     finally:
         job.stop()
-    assert hang["stuck_rank"] == 1 and hang["killed_pid"] == pids[1], hang
+    hang, recovery = seen.hang, seen.recovery
+    assert hang["stuck_rank"] == 1 and hang["killed_pid"] == seen.pids[1], hang
     assert hang["detected_by"] == 0 and hang["stalled_seconds"] >= 3, hang
     assert recovery["kind"] == "live" and recovery["failed_ranks"] == [1], recovery
     assert recovery["steps_redone"] <= 1, recovery
-    assert 3 <= recovered_after < 3 + 10, recovered_after
-    assert harness.workers_of(job.proc.pid).get(0, pids[0]) == pids[0]  # rank 0 kept
+    assert 3 <= seen.seconds < 3 + 10, seen.seconds
+    assert harness.workers_of(job.proc.pid).get(0, seen.pids[0]) == seen.pids[0]  # kept
     names = [e["event"] for e in job.events()]
     assert names.count("start") == 1 and "checkpoint_loaded" not in names, job.report()
     assert_each_sample_once_in_order(run_dir, STEPS)

@@ -35,6 +35,7 @@ from elastic_train.errors import (
     CheckpointMismatchError,
     UnsafeCheckpointError,
 )
+from tests.state_equality import assert_same_state
 
 STAGES = ("tmp-created", "payload-written", "payload-synced", "manifest-synced", "renamed")
 
@@ -106,30 +107,6 @@ def _reseal(path: Path, **changes: Any) -> None:
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return bytes(tensor.detach().reshape(-1).contiguous().view(torch.uint8).tolist())
-
-
-def _assert_same(a: Any, b: Any) -> None:
-    """Bitwise equality of nested payloads (tensors compared as bytes, dtype and shape)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor)
-        assert (a.dtype, a.shape) == (b.dtype, b.shape)
-        assert _bytes(a) == _bytes(b)
-        return
-    assert type(a) is type(b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for key in a:
-            _assert_same(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_same(x, y)
-    else:
-        assert a == b
-
-
 # --- round trip and manifest --------------------------------------------------------------
 
 
@@ -149,7 +126,7 @@ def test_write_list_verify_load_round_trip_bitwise(tmp_path: Path) -> None:
     assert verdict.valid and verdict.problem is None
     assert verdict.checked_bytes == (info.path / PAYLOAD).stat().st_size == info.size_bytes
     loaded = store.load(info)
-    _assert_same(loaded, payload)
+    assert_same_state(loaded, payload)
     assert model_digest(loaded["model"]) == info.model_digest == model_digest(payload["model"])
     assert sorted(os.listdir(info.path)) == [MANIFEST, PAYLOAD]
     assert store.leftovers() == []
@@ -415,13 +392,13 @@ def test_a_crash_at_any_stage_leaves_the_old_checkpoint_or_the_complete_new_one(
         assert _newest_valid(store) == 2
         assert [i.step for i in store.list()] == [2, 1]
         assert leftovers == []
-        _assert_same(store.load(_info(store, 2)), _payload(2.0))
+        assert_same_state(store.load(_info(store, 2)), _payload(2.0))
     else:
         assert [i.step for i in store.list()] == [1]
         assert _newest_valid(store) == 1
         assert len(leftovers) == 1
         assert leftovers[0].name.startswith(".tmp-step-00000002-")
-    _assert_same(store.load(_info(store, 1)), _payload())
+    assert_same_state(store.load(_info(store, 1)), _payload())
 
     # Someone else's files and a set-aside checkpoint are not leftovers.
     (store.root / "README").write_text("mine")
@@ -468,7 +445,7 @@ def test_a_failing_write_removes_its_temp_dir_and_keeps_older_checkpoints(
     assert store.leftovers() == []
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
     assert store.verify(_info(store, 1)).valid
-    _assert_same(store.load(_info(store, 1)), _payload())
+    assert_same_state(store.load(_info(store, 1)), _payload())
     steps = [i.step for i in store.list()]
     assert steps == ([2, 1] if stage == "renamed" else [1])
 
@@ -485,7 +462,7 @@ def test_writing_over_a_corrupt_checkpoint_sets_it_aside(tmp_path: Path) -> None
 
     new = _write(store, 2, scale=3.0)
     assert store.verify(_info(store, 2)).valid
-    _assert_same(store.load(new), _payload(3.0))
+    assert_same_state(store.load(new), _payload(3.0))
     assert [i.step for i in store.list()] == [2, 1]
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("step-00000002.corrupt-")]
     assert (aside / PAYLOAD).read_bytes() == bytes(data)      # the old bytes are kept

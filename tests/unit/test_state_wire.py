@@ -13,25 +13,7 @@ import pytest
 import torch
 
 from elastic_train import state_wire
-
-
-def _assert_same(sent: Any, got: Any) -> None:
-    assert type(sent) is type(got)
-    if isinstance(sent, torch.Tensor):
-        assert (sent.dtype, sent.shape, sent.device, sent.requires_grad) == \
-            (got.dtype, got.shape, got.device, got.requires_grad)
-        dense = (lambda t: t.to_dense()) if sent.is_sparse else (lambda t: t)
-        assert torch.equal(dense(sent), dense(got))
-    elif isinstance(sent, dict):
-        assert list(sent) == list(got)
-        for key in sent:
-            _assert_same(sent[key], got[key])
-    elif isinstance(sent, (list, tuple)):
-        assert len(sent) == len(got)
-        for a, b in zip(sent, got, strict=True):
-            _assert_same(a, b)
-    else:
-        assert sent == got
+from tests.state_equality import assert_same_state
 
 
 def _roundtrip(states: Any) -> tuple[Any, state_wire.Packed]:
@@ -54,7 +36,7 @@ def test_a_trainers_state_arrives_equal_and_loads() -> None:
               "scheduler": {k: v for k, v in scheduler.state_dict().items()
                             if k != "lr_lambdas"}, "trainer": {"step": 7, "seen": 28}}
     got, packed = _roundtrip(states)
-    _assert_same(states, got)
+    assert_same_state(states, got)
     assert packed.data.numel() >= sum(t.numel() * 4 for t in model.state_dict().values())
 
     twin = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7),
@@ -87,7 +69,7 @@ def test_every_dtype_shape_and_container_survives() -> None:
         "ordered": OrderedDict(b=torch.ones(2), a=torch.zeros(1)),
     }
     got, _ = _roundtrip(states)
-    _assert_same(states, got)
+    assert_same_state(states, got)
     assert got["transposed"].is_contiguous()
 
 
