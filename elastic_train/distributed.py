@@ -431,15 +431,17 @@ def broadcast_state(group: Group, states: Mapping[str, Any] | None, src: int
     back ``weights_only``: a peer's bytes run no pickled code), then every tensor's bytes
     in one flat buffer on the group's device.
     """
-    packed = state_wire.pack(dict(states or {}), group.device) if group.rank == src else None
-    header = broadcast_bytes(group, packed.header if packed is not None else None, src)
-    layout = state_wire.read_header(header) if packed is None else None
-    data = packed.data if packed is not None else torch.empty(
-        layout["size"] if layout is not None else 0, dtype=torch.uint8, device=group.device)
+    if group.rank == src:
+        packed = state_wire.pack(dict(states or {}), group.device)
+        header, data = broadcast_bytes(group, packed.header, src), packed.data
+    else:
+        header = broadcast_bytes(group, None, src)
+        layout = state_wire.read_header(header)
+        data = torch.empty(layout["size"], dtype=torch.uint8, device=group.device)
     if group.world_size > 1:
         _wait(dist.broadcast(data, src, async_op=True))
     sent = len(header) + data.numel()
-    if layout is None:
+    if group.rank == src:
         return None, sent
     return state_wire.unpack(layout, data, group.device), sent
 

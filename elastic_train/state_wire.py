@@ -98,7 +98,7 @@ def unpack(header: dict[str, Any], data: torch.Tensor, device: torch.device) -> 
     ``device`` where it came from a GPU and ``device`` is one, else on the CPU)."""
     tensors = []
     for start, dtype, shape, kind, requires_grad in header["layout"]:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         view = data[start:start + nbytes].view(dtype).reshape(shape)
         target = device if kind == "cuda" and device.type == "cuda" else torch.device("cpu")
         tensor = view.to(target, copy=True)
