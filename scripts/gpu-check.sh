@@ -36,6 +36,28 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available "
 import elastic_train, elastic_train.launch, elastic_train.live_agent, prometheus_client, safetensors
 print("elastic_train imports: ok")
 PY
+    # What the forkserver's preload does to CUDA, module by module, in a fresh process:
+    # libcuda mapped (harmless), NVIDIA device files open (the driver initialised: unsafe
+    # to fork after), torch's own CUDA state initialised.
+    "$PY" - <<'PY'
+import importlib, os
+from elastic_train.worker_start import PRELOAD
+def driver_files():
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(f for f in fds if f.startswith("/dev/nvidia"))
+for name in PRELOAD:
+    importlib.import_module(name)
+    import torch
+    with open("/proc/self/maps") as f:
+        mapped = "libcuda.so" in f.read()
+    print(f"forkserver preload {name}: libcuda mapped {mapped}, driver files open "
+          f"{driver_files()}, torch.cuda initialised {torch.cuda.is_initialized()}")
+PY
 }
 tests() {
     set -o pipefail

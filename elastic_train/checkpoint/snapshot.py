@@ -38,6 +38,26 @@ def changed_only_by_step(optimizer: torch.optim.Optimizer) -> set[int]:
     return pointers
 
 
+def split_deferred(pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                              list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Which deferred copies to make now and which to overlap with the next step.
+
+    One save overlaps on one device: a thread for CPU training, a copy stream for one
+    accelerator. Host tensors among accelerator state (AdamW's ``step`` counts stay on the
+    CPU unless the optimizer is fused or capturable) are a few bytes: they are copied now,
+    so they do not stop the device's tensors from overlapping. State spread over several
+    accelerators is all copied now.
+    """
+    accelerators = {src.device for src, _ in pairs if src.device.type != "cpu"}
+    if not accelerators:
+        return [], pairs
+    if len(accelerators) > 1:
+        return pairs, []
+    on_host = [pair for pair in pairs if pair[0].device.type == "cpu"]
+    return on_host, [pair for pair in pairs if pair[0].device.type != "cpu"]
+
+
 class PendingCopies:
     """Copies into host buffers that run while training goes on.
 
@@ -149,14 +169,12 @@ class SnapshotBuffers:
         snapshot = {name: walk(obj.state_dict(), (name,)) for name, obj in objects.items()}
         for device in on_cuda:  # the copies made at once are complete on return
             torch.cuda.current_stream(device).synchronize()
-        devices = {src.device for src, _ in later}
-        if len(devices) > 1:  # one copy stream per save: state on several devices copies now
-            for src, dst in later:
-                dst.copy_(src)
-            later = []
+        now, later = split_deferred(later)
+        for src, dst in now:
+            dst.copy_(src)
         if not later:
             return snapshot, None
-        (device,) = devices
+        device = later[0][0].device
         if device.type != "cuda":
             return snapshot, PendingCopies(later)
         stream = self._streams.get(device)

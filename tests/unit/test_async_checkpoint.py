@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from elastic_train.checkpoint.manager import CheckpointManager
-from elastic_train.checkpoint.snapshot import PendingCopies, SnapshotBuffers, changed_only_by_step
+from elastic_train.checkpoint.snapshot import (
+    PendingCopies,
+    SnapshotBuffers,
+    changed_only_by_step,
+    split_deferred,
+)
 from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 from elastic_train.config import CheckpointConfig
 from elastic_train.distributed import Group
@@ -209,6 +214,19 @@ def test_changed_only_by_step_names_parameters_and_optimizer_state() -> None:
         expected |= {state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
                      state["step"].data_ptr()}
     assert pointers == expected and len(pointers) == 4 * 4
+
+
+def test_host_step_counts_do_not_stop_accelerator_state_from_overlapping() -> None:
+    """AdamW keeps ``step`` on the CPU while its moments live on the GPU: the counts are
+    copied at once and the device tensors still overlap (on the H100 they had made every
+    save copy synchronously). ``meta`` tensors stand in for an accelerator."""
+    def pair(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(3, device=device), torch.empty(3)
+
+    moment, weight, step = pair("meta"), pair("meta"), pair("cpu")
+    assert split_deferred([moment, step, weight]) == ([step], [moment, weight])
+    assert split_deferred([step, step]) == ([], [step, step])  # CPU training: a thread
+    assert split_deferred([]) == ([], [])
 
 
 @pytest.fixture
