@@ -272,6 +272,10 @@ def bench_model(name: str, device: torch.device, saves: int, between: int, root:
     print(f"\n## {name}: {trainer.params / 1e6:.1f}M parameters, state {size / 2**30:.2f} GiB "
           f"(fp32 weights + AdamW moments), batch {batch} x {cfg.seq_len} tokens, {device}")
 
+    if saves == 0:  # --saves 0: the steady state alone
+        if steady:
+            _steady_state(trainer, root, steady_steps, every, 3)
+        return
     methods: list[Any] = [Ours(trainer, root), TorchSave(trainer, root)]
     for pinned in (False, True):
         try:
@@ -339,6 +343,10 @@ def _steady_state(trainer: Trainer, root: Path, steady_steps: int, every: int,
     """Blocks without checkpoints and with ours every ``every`` steps, in turn."""
     device = trainer.device
     steady = Ours(trainer, root / "steady")
+    step += 1
+    steady.save(step)  # allocates the pinned buffers, as a job's first save does
+    trainer.step()
+    steady.settle()
     per_block: dict[str, list[float]] = {"off": [], "ours": []}
     for order in _rotations(["off", "ours"], 4):
         for mode in order:
@@ -351,11 +359,14 @@ def _steady_state(trainer: Trainer, root: Path, steady_steps: int, every: int,
                     steady.save(step)
             _sync(device)
             per_block[mode].append((time.perf_counter() - started) / steady_steps)
+            print(f"steady block {mode}: {per_block[mode][-1]:.4f} s/step", flush=True)
             steady.settle()
     ratio = _median(per_block["ours"]) / _median(per_block["off"])
     print(f"\nsteady state, {steady_steps}-step blocks: mean step without checkpoints "
           f"{_spread(per_block['off'])} s, with ours every {every} steps "
-          f"{_spread(per_block['ours'])} s: ratio {ratio:.3f} (target <= 1.01)")
+          f"{_spread(per_block['ours'])} s: ratio {ratio:.3f} (target <= 1.01); RSS after "
+          f"each save (GiB, ours alone in this part): "
+          f"{', '.join(f'{r / 2**30:.2f}' for r in steady.rss)}")
 
 
 def _recovery(tmp: Path) -> None:
