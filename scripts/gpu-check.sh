@@ -10,9 +10,12 @@
 #   bash scripts/gpu-check.sh bench    # benchmarks/gpu.py: 1B and small GPT (minutes)
 #   bash scripts/gpu-check.sh all      # the three
 #
-# Within the device tool's 10 minutes a command, split the benchmark in two:
-#   bash scripts/gpu-check.sh bench --models 1b --saves 3 --skip-recovery
-#   bash scripts/gpu-check.sh bench --models small
+# Within the device tool's 10 minutes a command, split the benchmark (as run on the H100,
+# benchmarks/results/h100-2026-11-24/README.md):
+#   bash scripts/gpu-check.sh bench --models 1b --saves 3 --skip-recovery --dir /dev/shm --steady none
+#   bash scripts/gpu-check.sh bench --models small --saves 3 --skip-recovery --dir /dev/shm --steady-steps 300 --every 150
+#   bash scripts/gpu-check.sh bench --models 1b --saves 0 --steady 1b --steady-steps 80 --every 80 --dir /dev/shm --skip-recovery
+#   bash scripts/gpu-check.sh bench --models ''      # recovery only
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-results.
 set -euo pipefail
