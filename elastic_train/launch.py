@@ -76,6 +76,11 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
                    help="forkserver (default): workers fork from a process that imported torch "
                         "once, so a restart skips the imports; subprocess: a fresh "
                         "'python -m elastic_train.train' each time, as torchrun does")
+    p.add_argument("--hot-spare", choices=("on", "off"), default="on",
+                   help="on (default; the built-in job under live recovery): keep one worker "
+                        "per node forked and built ahead, which takes the place of the next "
+                        "worker that fails, so its replacement skips the fork and the build; "
+                        "off: fork the replacement when a worker fails")
     for action in p._actions:
         action.default = option_default(action.dest, action.default)
     return p
@@ -203,16 +208,19 @@ def first_failure_line(exc: BaseException) -> str:
 
 
 def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
-            recovery: str = "live", script: Sequence[str] = ()) -> None:
+            recovery: str = "live", script: Sequence[str] = (), hot_spare: bool = False
+            ) -> None:
     """Run the elastic agent in this process until the job ends (``recovery``: the job's
-    --recovery; live_agent.py; a script's ElasticSession chooses for itself)."""
+    --recovery; live_agent.py; a script's ElasticSession chooses for itself; ``hot_spare``:
+    --hot-spare, for the built-in job under live recovery: hot_spare.py)."""
 
     from elastic_train.live_agent import live_agent_installed
     from elastic_train.rendezvous.config import single_node
     from elastic_train.store_binding import node_store_host, rendezvous_store_on_loopback
 
     listen_host = node_store_host(single_node(args.nnodes), args.local_addr)
-    with live_agent_installed(recovery, listen_host), rendezvous_store_on_loopback():
+    spare = hot_spare and not script and recovery == "live"
+    with live_agent_installed(recovery, listen_host, spare), rendezvous_store_on_loopback():
         _launch_agent(args, job_args, worker_start, script)
 
 
@@ -311,7 +319,8 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
     try:
         _launch(torchrun.parse_args(options_torchrun_knows(cmd, torchrun.get_args_parser())),
                 job_args, ns.worker_start,
-                config.distributed.recovery if config is not None else "live", script)
+                config.distributed.recovery if config is not None else "live", script,
+                ns.hot_spare == "on")
     except SignalException as exc:
         # The agent passed the signal to the workers, which checkpointed and exited 0.
         # Non-zero here so that a restart policy brings a preempted node back.

@@ -64,6 +64,7 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 from elastic_train.distributed import store_prefix
 from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
 from elastic_train.exit_watch import ExitWatch
+from elastic_train.hot_spare import assign, spare_delay, spare_env
 from elastic_train.live_peers import (
     NOTICE_KEY,
     RESTART,
@@ -105,6 +106,10 @@ REFORM_ATTEMPTS = 3
 STOCK_ROUND = b"stock"
 """The round's plan when some agent of it is not ours: every worker starts the torch way."""
 WAKER_STOP = b"stop"
+SPARE_ENDS = 2
+"""Spares that may end on their own before the agent stops making them."""
+SPARE_DISMISS_SECONDS = 2.0
+"""How long a dismissed spare may take to exit before it is killed."""
 MIXED_ROUND_SECONDS = 5.0
 """How long group rank 0 waits for the other agents of a round to say what they bring
 before it takes the round for one with plain torchrun agents in it."""
@@ -123,13 +128,20 @@ class PerWorkerProcesses:
     """
 
     def __init__(self, start_one: Callable[[int, dict[str, str]], PContext],
-                 envs: dict[int, dict[str, str]]) -> None:
+                 envs: dict[int, dict[str, str]], spare_store: dist.Store | None = None
+                 ) -> None:
         self._start_one = start_one
         self._envs = envs
         self._running: dict[int, PContext] = {lr: start_one(lr, env) for lr, env in envs.items()}
         self._pids = {lr: ctx.pids()[0] for lr, ctx in self._running.items()}
         self._results: dict[int, RunProcsResult] = {}
         self._hold = False
+        self._spare_store = spare_store
+        """Where spares are given their place (hot_spare.py); None: no spares."""
+        self._spare: PContext | None = None
+        self._spare_delay = spare_delay()
+        self._spare_due = time.monotonic() + self._spare_delay
+        self._spare_ends = 0
 
     def pids(self, running_only: bool = False) -> dict[int, int]:
         """Each worker's pid (the last one of a worker that ended, unless ``running_only``)."""
@@ -169,12 +181,58 @@ class PerWorkerProcesses:
         return failed, len(self._running)
 
     def restart(self, local_rank: int, extra_env: dict[str, str]) -> int:
-        """Start worker ``local_rank`` again (it failed); its new pid."""
+        """Start worker ``local_rank`` again (it failed): the spare takes its place if one
+        runs, else a new process is forked; its new pid."""
         self._results.pop(local_rank, None)
         env = {**self._envs[local_rank], **extra_env}
-        self._running[local_rank] = self._start_one(local_rank, env)
+        spare = self._take_spare()
+        if spare is not None:
+            assert self._spare_store is not None
+            assign(self._spare_store, spare.pids()[0], env)
+            self._running[local_rank] = spare
+        else:
+            self._running[local_rank] = self._start_one(local_rank, env)
         self._pids[local_rank] = self._running[local_rank].pids()[0]
         return self._pids[local_rank]
+
+    @property
+    def spare_pid(self) -> int | None:
+        return None if self._spare is None else self._spare.pids()[0]
+
+    def wants_spare(self) -> bool:
+        """Whether a spare should be started now (none runs, and one is due)."""
+        if self._spare_store is None or self._spare_ends >= SPARE_ENDS:
+            return False
+        if self._spare is not None and self._spare.wait(0) is not None:
+            self._spare = None  # it ended on its own (killed, or it could not build)
+            self._spare_ends += 1
+            self._spare_due = time.monotonic() + self._spare_delay
+            log.warning("the hot spare ended before it was needed (%d of %d): %s",
+                        self._spare_ends, SPARE_ENDS, "another is started later"
+                        if self._spare_ends < SPARE_ENDS else "no more spares")
+        return self._spare is None and self._spare_ends < SPARE_ENDS \
+            and time.monotonic() >= self._spare_due
+
+    def start_spare(self) -> int:
+        """Fork a spare now (``hot_spare``): the environment of the lowest local rank, marked
+        as a spare. Its pid."""
+        template = min(self._envs)
+        self._spare = self._start_one(template, spare_env(self._envs[template]))
+        return self._spare.pids()[0]
+
+    def delay_spare(self) -> None:
+        """No spare before ``hot_spare.spare_delay()`` from now."""
+        self._spare_due = time.monotonic() + self._spare_delay
+
+    def _take_spare(self) -> PContext | None:
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        self.delay_spare()
+        if spare.wait(0) is not None:  # ended before it was needed
+            self._spare_ends += 1
+            return None
+        return spare
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """What a ``PContext`` returns: a failure as soon as one worker failed, every
@@ -195,9 +253,22 @@ class PerWorkerProcesses:
             time.sleep(period)
 
     def close(self, death_sig: Any = None, timeout: int = 30) -> None:
-        for ctx in self._running.values():
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            self._dismiss(spare)
+        for ctx in [*self._running.values(), *([spare] if spare is not None else [])]:
             ctx.close(death_sig, timeout)
         self._running.clear()
+
+    def _dismiss(self, spare: PContext) -> None:
+        """Tell an idle spare to exit (an empty place), and give it a moment: killed, it
+        would be logged by torch as a worker closed by a signal."""
+        assert self._spare_store is not None
+        try:
+            assign(self._spare_store, spare.pids()[0], {})
+        except (RuntimeError, OSError):
+            return
+        spare.wait(SPARE_DISMISS_SECONDS, period=0.01)
 
 
 def live_worker_env(env: dict[str, str], live_store: str, generation: int = 0,
@@ -235,6 +306,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
     listen_host: str | None = None
     """The IP address the agent's store listens on (None: every interface); set by
     ``live_agent_installed`` (store_binding.node_store_host)."""
+    hot_spare = False
+    """Keep a spare worker forked and built (hot_spare.py); set by ``live_agent_installed``
+    (``--hot-spare``, the built-in trainer only)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -445,6 +519,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
         notice = self._notice() if look else None
         reported = look and self._reported_failure(store)
         if not (failed or notice or reported):
+            if workers.wants_spare() and store.check([READY_KEY]) \
+                    and not store.check([FINISHED_KEY]):
+                workers.start_spare()
             self._look_again_if_unreported(workers.pids(running_only=True).values())
             with workers.as_polled():  # a failure the poll above missed waits for the next
                 return super()._monitor_workers(worker_group)
@@ -683,7 +760,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
                 return context
 
             return PerWorkerProcesses(start_one, {
-                lr: live_worker_env(env, live_store, generation) for lr, env in envs.items()})
+                lr: live_worker_env(env, live_store, generation) for lr, env in envs.items()},
+                spare_store=self._node_store if self.hot_spare else None)
 
         module.start_processes = start_processes  # type: ignore[assignment]
         try:
@@ -693,13 +771,15 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
 
 @contextlib.contextmanager
-def live_agent_installed(recovery: str, listen_host: str | None = None) -> Iterator[None]:
+def live_agent_installed(recovery: str, listen_host: str | None = None,
+                         hot_spare: bool = False) -> Iterator[None]:
     """Make torch's launcher run ``LiveRecoveryAgent`` (for ``elastic-train run``)."""
     from torch.distributed.launcher import api
 
     original = api.LocalElasticAgent
     LiveRecoveryAgent.recovery = recovery
     LiveRecoveryAgent.listen_host = listen_host
+    LiveRecoveryAgent.hot_spare = hot_spare
     api.LocalElasticAgent = LiveRecoveryAgent  # type: ignore[misc]
     try:
         yield

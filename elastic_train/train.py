@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -18,16 +19,24 @@ from elastic_train.determinism import make_deterministic
 from elastic_train.distributed import abandoned_groups, destroy_group, init_group
 from elastic_train.env import read_worker_env
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
+from elastic_train.hot_spare import is_spare, take_place, wait_for_place
 from elastic_train.live_recovery import live_world_for
 from elastic_train.metrics_server import WorkerEndpoint, serve_worker_metrics
 from elastic_train.process_exit import exit_process
 from elastic_train.rundir import prepare_run_dir
-from elastic_train.tasks.base import TaskContext
+from elastic_train.tasks.base import Task, TaskContext
 from elastic_train.tasks.loader import load_task
-from elastic_train.trainer import Trainer
+from elastic_train.trainer import Built, Trainer, build_task
 from elastic_train.worker_start import name_process
 
 IMPORTED = time.time()  # start-up timeline: imports done
+
+
+@dataclass
+class SpareBuilt(Built):
+    """What a hot spare built before it took a place, with the task it built from."""
+
+    task: Task | None = None
 
 
 def _setup_logging(rank: int) -> None:
@@ -56,11 +65,17 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
     Our own errors become one line and an exit code; anything unexpected is recorded by
     torchelastic's ``@record`` so that the agent (and ``elastic-train run``) can name it.
     """
+    args = sys.argv[1:] if argv is None else list(argv)
+    built: SpareBuilt | None = None
+    if is_spare():
+        built = _build_as_spare(args)
+        if built is None:  # its agent ended, or it could not build: nothing to do
+            return 0
     env = read_worker_env()
     endpoint: WorkerEndpoint | None = None
     linger = 0.0
     try:
-        config = parse_job_args(sys.argv[1:] if argv is None else argv)
+        config = parse_job_args(args)
         live = live_world_for(config.distributed.recovery, env, config.distributed.backend,
                               config.distributed.timeout_seconds, "--recovery restart")
         if live is not None:  # this worker's place comes from its agent's plan
@@ -72,8 +87,9 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         if env.rank == 0:
             prepare_run_dir(config.run_dir)
         endpoint = serve_worker_metrics(config, env)
-        task = load_task(config.train.task, TaskContext(config.train.task_options,
-                                                        config.train.seed, config.run_dir))
+        task = built.task if built is not None else load_task(
+            config.train.task, TaskContext(config.train.task_options, config.train.seed,
+                                           config.run_dir))
         group_began = time.time()
         if live is not None and live.arriving:  # joins once its model is built (trainer)
             group = live.provisional_group()
@@ -85,7 +101,8 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         marks = {"imported": imported_at or IMPORTED, "group_began": group_began,
                  "group_ready": time.time()}
         observers = [endpoint.metrics.observe] if endpoint is not None else []
-        trainer = Trainer(config, env, task, group, marks=marks, observers=observers, live=live)
+        trainer = Trainer(config, env, task, group, marks=marks, observers=observers, live=live,
+                          built=built)
         trainer.run()
         if trainer.state.step >= config.train.steps:   # not after a preemption: no time
             linger = config.metrics.linger_seconds
@@ -103,6 +120,26 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         if endpoint is not None:
             endpoint.close(linger)  # after a finished run: one last scrape of final values
     return 0
+
+
+def _build_as_spare(args: list[str]) -> SpareBuilt | None:
+    """A hot spare (hot_spare.py): load the task and build its model and dataset, then wait
+    for the place of a failed worker and take it. None when its agent ended first, or when
+    it cannot build (the replacement its agent forks instead reports why)."""
+    name_process(None)
+    env = read_worker_env()
+    try:
+        config = parse_job_args(args)
+        task = load_task(config.train.task, TaskContext(config.train.task_options,
+                                                        config.train.seed, config.run_dir))
+        built = build_task(task, config.train.seed)
+    except Exception:  # a spare says nothing: the replacement forked instead reports it
+        return None
+    place = wait_for_place(env.live_store) if env.live_store else None
+    if place is None:
+        return None
+    take_place(place)
+    return SpareBuilt(built.model, built.dataset, task)
 
 
 def run_worker(*argv: str) -> None:

@@ -77,6 +77,22 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass
+class Built:
+    """What a worker builds from its task before it knows its place: the model (on the
+    CPU) and the dataset. A hot spare builds them ahead (hot_spare.py)."""
+
+    model: torch.nn.Module
+    dataset: Any
+
+
+def build_task(task: Task, seed: int) -> Built:
+    """The task's model, initialised from the job's seed, and its dataset."""
+    torch.manual_seed(derive_seed(seed, "init"))
+    model = task.build_model()
+    return Built(model, task.build_dataset())
+
+
 def micro_batches(indices: torch.Tensor, limit: int) -> list[torch.Tensor]:
     """Split a rank's share into forward passes of at most ``limit`` samples (0: one pass)."""
     if limit <= 0 or len(indices) <= limit:
@@ -93,9 +109,11 @@ class Trainer:
 
     def __init__(self, config: JobConfig, env: WorkerEnv, task: Task, group: Group,
                  out: TextIO | None = None, marks: dict[str, float] | None = None,
-                 observers: Sequence[EventObserver] = (), live: LiveWorld | None = None
-                 ) -> None:
+                 observers: Sequence[EventObserver] = (), live: LiveWorld | None = None,
+                 built: Built | None = None) -> None:
         self.config = config
+        self._built = built
+        """The model and dataset, when built before this trainer (a hot spare's)."""
         self.env = env
         self.task = task
         self.group = group
@@ -126,9 +144,9 @@ class Trainer:
     # ---- building ------------------------------------------------------------------------
     def _build(self) -> None:
         cfg = self.config.train
-        torch.manual_seed(derive_seed(cfg.seed, "init"))
-        self.model = self.task.build_model().to(self.group.device)
-        self.dataset = self.task.build_dataset()
+        built, self._built = self._built or build_task(self.task, cfg.seed), None
+        self.model = built.model.to(self.group.device)
+        self.dataset = built.dataset
         if len(self.dataset) < cfg.batch_size:
             raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(self.dataset)} "
                               "samples of the dataset: use a smaller batch or more data")

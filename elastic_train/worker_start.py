@@ -31,14 +31,15 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
            "elastic_train.train", "elastic_train.tasks.gpt", "elastic_train.script_worker"]
 
 
-def name_process(rank: int) -> None:
-    """Show a worker's rank in ps/top (``et-rank-N``); Linux only, silently skipped
-    elsewhere. (A forked worker's environment in /proc is its server's: the name is what
-    tells the workers apart.)"""
+def name_process(rank: int | None) -> None:
+    """Show a worker's rank in ps/top (``et-rank-N``; a hot spare's ``et-spare``); Linux
+    only, silently skipped elsewhere. (A forked worker's environment in /proc is its
+    server's: the name is what tells the workers apart.)"""
+    name = "et-spare" if rank is None else f"et-rank-{rank}"
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(15, f"et-rank-{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
 

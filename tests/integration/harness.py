@@ -279,6 +279,23 @@ def workers_of(agent_pid: int) -> dict[int, int]:
     return found
 
 
+def spare_of(agent_pid: int) -> int | None:
+    """The pid of the agent's hot spare (a worker process named ``et-spare``), if one runs."""
+    spares = [pid for pid in descendants(agent_pid) if _comm(pid) == "et-spare"]
+    return spares[0] if spares else None
+
+
+def wait_for_spare(job: Job, other_than: int | None = None, timeout: float = 60) -> int:
+    """The pid of ``job``'s hot spare once one runs (and is not ``other_than``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = spare_of(job.proc.pid)
+        if pid is not None and pid != other_than:
+            return pid
+        time.sleep(0.005)
+    raise AssertionError(f"no hot spare within {timeout}s:\n{job.report()}")
+
+
 def new_pid(job: Job, rank: int, old: int, timeout: float = 30) -> int:
     """The pid of ``rank`` once ``job``'s agent started it again (it was ``old``)."""
     deadline = time.monotonic() + timeout

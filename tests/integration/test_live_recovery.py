@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.hot_spare import DELAY as SPARE_DELAY
 from elastic_train.report import write_report
 from tests.integration import harness
 from tests.integration.harness import TINY_DROPOUT, TINY_DROPOUT_STEPS
@@ -74,13 +75,15 @@ def test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact(
     failure redoes at most one step, and the final weights (and every checkpoint) equal the
     reference's."""
     run_dir = tmp_path / "run"
-    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "5"])  # 5 live restarts
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "5"],  # 5 live restarts
+                              harness.job_env({SPARE_DELAY: "0"}))
     survivors_kept: list[bool] = []
     try:
         job.wait_for_event(_step(7), TIMEOUT)
+        spare = harness.wait_for_spare(job)
         pids = job.worker_pids()
         job.kill_worker(1)                                   # mid-interval
-        harness.new_pid(job, 1, pids[1])
+        assert harness.new_pid(job, 1, pids[1]) == spare     # the hot spare took its place
         job.wait_for_event(lambda e: e["event"] == "recovery", TIMEOUT)
         survivors_kept.append(job.worker_pids()[0] == pids[0])
 
@@ -111,6 +114,8 @@ def test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact(
     finally:
         job.stop()
     assert survivors_kept == [True] * 4, job.report()
+    assert harness.spare_of(job.proc.pid) is None  # dismissed at the end
+    assert "Closing process" not in job.output()   # ... not killed
     events = job.events()
     names = [e["event"] for e in events]
     assert names.count("start") == 1, job.report()           # no worker group restarted
@@ -164,11 +169,16 @@ def test_when_no_worker_survives_the_job_restarts_from_its_checkpoint(
 def test_a_stopped_worker_is_named_killed_and_replaced_in_place(
         tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
     """SIGSTOP of rank 1: within --step-timeout rank 0's watchdog names it and kills it, the
-    agent starts it again, and the world re-forms in place (rank 0 keeps its pid)."""
+    agent starts it again, and the world re-forms in place (rank 0 keeps its pid). Before
+    that the hot spare is SIGKILLed: no recovery, the agent starts another."""
     run_dir = tmp_path / "run"
-    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "2", "--step-timeout", "3"])
+    job = harness.elastic_run(run_dir, [*JOB, "--max-restarts", "2", "--step-timeout", "3"],
+                              harness.job_env({SPARE_DELAY: "0"}))
     try:
         job.wait_for_event(_step(12), TIMEOUT)
+        spare = harness.wait_for_spare(job)
+        os.kill(spare, signal.SIGKILL)
+        harness.wait_for_spare(job, other_than=spare)
         seen = harness.stop_until_replaced(job, 1, TIMEOUT)
         assert seen.exit_code == 0, job.report()
     finally:
@@ -180,7 +190,10 @@ def test_a_stopped_worker_is_named_killed_and_replaced_in_place(
     assert harness.workers_of(job.proc.pid).get(0, seen.pids[0]) == seen.pids[0]
     names = [e["event"] for e in job.events()]
     assert names.count("start") == 1 and "checkpoint_loaded" not in names
+    assert names.count("recovery") == 1  # the spare's death was none
     assert "the agent starts it again and the world re-forms in place" in job.output()
+    assert "the hot spare ended before it was needed (1 of 2): another is started " \
+        "later" in job.output()
     assert harness.final_digest(run_dir) == tiny_dropout_reference[TINY_DROPOUT_STEPS]
 
 
