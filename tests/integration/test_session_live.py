@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from elastic_train.hot_spare import DELAY as SPARE_DELAY
 from elastic_train.sampler import epoch_order
 from elastic_train.session import LIVE_NEEDS_WRAP
 from tests.etcd_server import free_port
@@ -34,12 +35,13 @@ FAST_V3 = "last_call_timeout=1,lease_ttl=3,join_timeout=60"
 
 def script_run(run_dir: Path, steps: int, pace: float, launcher: list[str] | None = None,
                name: str | None = None, extra: tuple[str, ...] = ()) -> harness.Job:
-    """``elastic-train run [launcher] session_live_loop.py RUN_DIR STEPS PACE [extra]``."""
+    """``elastic-train run [launcher] session_live_loop.py RUN_DIR STEPS PACE [extra]``
+    (a hot spare, were one made for a script, would come at once: none must)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "elastic_train", "run",
             *(launcher or ["--nproc-per-node", "2"]), str(SCRIPT), str(run_dir), str(steps),
             str(pace), *extra]
-    return harness.start(argv, run_dir, log_name=name)
+    return harness.start(argv, run_dir, harness.job_env({SPARE_DELAY: "0"}), log_name=name)
 
 
 def effective_steps(run_dir: Path) -> dict[int, list[int]]:
@@ -126,6 +128,8 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
         harness.new_pid(job, 0, pids[0])
         job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 30, TIMEOUT)
         kept.append(job.worker_pids()[1] == pids[1])
+        # a script's workers run the user's code from the start: no hot spare for them
+        assert harness.spare_of(job.proc.pid) is None
         pids = job.worker_pids()
         job.wait_for_event(lambda e: e["event"] == "recovery" and e["step"] >= 44, TIMEOUT)
         kept.append(job.worker_pids()[0] == pids[0])

@@ -4,17 +4,21 @@ real SIGKILLs) is tests/integration/test_live_recovery.py."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from elastic_train import distributed
 from elastic_train.distributed import CollectiveAborted
 from elastic_train.env import WorkerEnv
+from elastic_train.hot_spare import DELAY as SPARE_DELAY
+from elastic_train.hot_spare import SPARE, place_key
 from elastic_train.live_agent import PerWorkerProcesses
 from elastic_train.metrics import WorkerMetrics
 from elastic_train.summary import summarize
@@ -110,7 +114,7 @@ class _Context:
         self.closed = True
 
 
-def _workers(n: int) -> tuple[PerWorkerProcesses, list[_Context]]:
+def _workers(n: int, spare_store: Any = None) -> tuple[PerWorkerProcesses, list[_Context]]:
     started: list[_Context] = []
 
     def start_one(local_rank: int, env: dict[str, str]) -> Any:
@@ -118,8 +122,54 @@ def _workers(n: int) -> tuple[PerWorkerProcesses, list[_Context]]:
         started[-1].env = env  # type: ignore[attr-defined]
         return started[-1]
 
-    return PerWorkerProcesses(start_one, {lr: {"LOCAL_RANK": str(lr)} for lr in range(n)}), \
-        started
+    return PerWorkerProcesses(start_one, {lr: {"LOCAL_RANK": str(lr)} for lr in range(n)},
+                              spare_store=spare_store), started
+
+
+def _place(store: dist.Store, pid: int) -> dict[str, str]:
+    return json.loads(store.get(place_key(pid)))
+
+
+def test_a_failed_worker_s_place_goes_to_the_hot_spare_then_a_new_spare_is_due(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPARE_DELAY, "0")
+    store = dist.HashStore()
+    workers, started = _workers(2, store)
+    assert workers.wants_spare()
+    spare = workers.start_spare()
+    assert spare == 102 and started[2].env == {"LOCAL_RANK": "0", SPARE: "1"}  # type: ignore[attr-defined]
+    assert workers.pids() == {0: 100, 1: 101} and not workers.wants_spare()
+    started[1].outcome = _Result(failures={0: _Failure()})
+    workers.poll_failed()
+    assert workers.restart(1, {"GEN": "1"}) == spare          # no new process forked
+    assert len(started) == 3 and workers.pids() == {0: 100, 1: spare}
+    assert _place(store, spare) == {"LOCAL_RANK": "1", "GEN": "1"}
+    assert workers.spare_pid is None and workers.wants_spare()
+    workers.start_spare()
+    workers.close()                                           # the idle spare is dismissed
+    assert _place(store, 103) == {} and all(started[i].closed for i in (0, 2, 3))
+
+
+def test_without_a_live_spare_a_replacement_is_forked_and_spares_that_end_are_limited(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPARE_DELAY, "0")
+    store = dist.HashStore()
+    workers, started = _workers(2, store)
+    for ended in range(2):  # a spare that ends on its own is not given a place
+        workers.start_spare()
+        started[-1].outcome = _Result(failures={0: _Failure()})
+        if ended == 0:
+            assert workers.wants_spare()  # noticed; another is due
+        else:
+            started[1].outcome = _Result(failures={0: _Failure()})
+            workers.poll_failed()
+            assert workers.restart(1, {}) == 104  # forked: the spare had ended
+            assert not store.check([place_key(103)])
+    assert not workers.wants_spare()  # two spares ended: no more
+    monkeypatch.setenv(SPARE_DELAY, "30")
+    workers, _ = _workers(1, store)
+    assert not workers.wants_spare()  # not before the delay
+    assert not _workers(1)[0].wants_spare()  # no store: no spares
 
 
 def test_one_failed_worker_is_reported_with_its_own_local_rank_and_started_again() -> None:
