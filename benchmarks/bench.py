@@ -90,13 +90,13 @@ def _run_baseline(run_dir: Path, p: Preset, every: int) -> harness.Job:
 
 
 def _run_ours(run_dir: Path, p: Preset, every: int, tree: Path | None = None,
-              recovery: str = "live") -> harness.Job:
+              recovery: str = "live", spare: bool = True) -> harness.Job:
     """Our job; ``tree``: another checkout of elastic_train runs it (--compare-with)."""
     args = ["--preset", p.name, "--steps", str(p.steps), "--batch-size", str(p.batch),
             "--checkpoint-every", str(every) if every else "off", "--log-every", "1000",
             "--max-restarts", "3", "--warmup-steps", "0", "--nproc-per-node", str(p.nproc)]
     if tree is None:
-        args += ["--recovery", recovery]
+        args += ["--recovery", recovery, "--hot-spare", "on" if spare else "off"]
     env = None if tree is None else harness.job_env({"PYTHONPATH": str(tree)})
     return harness.elastic_run(run_dir, args, env)
 
@@ -314,8 +314,8 @@ class _Killed:
 
 def _kill_and_wait(job: harness.Job, read: Callable[[], list[dict[str, Any]]], kill_at: int,
                    launched: float,
-                   recovered: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
-                   ) -> _Killed:
+                   recovered: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+                   took_place: list[bool] | None = None) -> _Killed:
     """SIGKILL rank 1 once step ``kill_at`` is logged; wait until ``recovered(events)`` finds
     the records that mark the recovery (bounded; the job is stopped either way)."""
     try:
@@ -325,6 +325,7 @@ def _kill_and_wait(job: harness.Job, read: Callable[[], list[dict[str, Any]]], k
                 raise SystemExit(f"run never reached step {kill_at}:\n{job.report()}")
             time.sleep(0.01)
         first_step = min(e["time"] for e in read() if e["event"] == "step")
+        spare = harness.spare_of(job.proc.pid)
         killed_at = time.time()
         job.kill_worker(1)
         steps_done = max(e["step"] for e in read() if e["event"] == "step")
@@ -332,6 +333,9 @@ def _kill_and_wait(job: harness.Job, read: Callable[[], list[dict[str, Any]]], k
         while True:
             found = recovered(read())
             if found:
+                if took_place is not None:  # did the hot spare take rank 1's place?
+                    took_place.append(spare is not None
+                                      and harness.workers_of(job.proc.pid).get(1) == spare)
                 return _Killed(launched, first_step, killed_at, steps_done, found)
             if time.monotonic() > deadline or job.proc.poll() is not None:
                 # Stock torchrun can spend all its restarts (FIELD-NOTES): a failed recovery.
@@ -341,8 +345,10 @@ def _kill_and_wait(job: harness.Job, read: Callable[[], list[dict[str, Any]]], k
         job.stop()
 
 
-def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int) -> dict[str, float]:
-    """Our live recovery: kill -> the next completed step, with no worker group restart."""
+def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int, spare: bool
+                        ) -> dict[str, float]:
+    """Our live recovery: kill -> the next completed step, with no worker group restart
+    (``spare``: with the hot spare, the default)."""
     def recovered(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         live = [e for e in events if e["event"] == "recovery" and e["kind"] == "live"]
         after = [e for e in events if e["event"] == "step" and live
@@ -350,8 +356,10 @@ def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int) -> dict[str, flo
         return [live[0], after[0]] if after else []
 
     launched = time.time()
-    job = _run_ours(run_dir, p, p.every, recovery="live")
-    k = _kill_and_wait(job, lambda: _our_log(run_dir), kill_at, launched, recovered)
+    job = _run_ours(run_dir, p, p.every, recovery="live", spare=spare)
+    took_place: list[bool] = []
+    k = _kill_and_wait(job, lambda: _our_log(run_dir), kill_at, launched, recovered,
+                       took_place)
     if k.recovered is None:
         return {"failed": 1.0}
     recovery, step = k.recovered
@@ -367,6 +375,7 @@ def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int) -> dict[str, flo
         "lost steps": float(k.steps_done - (step["step"] - 1)),
         "bytes sent": float(recovery["bytes"]),
         "restarts used": 0.0,
+        "spare took the place": float(took_place == [True]),
         "failed": 0.0,
     }
 
@@ -401,25 +410,30 @@ def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[s
 
 def recovery(tmp: Path, reps: int) -> None:
     p = Preset("small", 100000, 16, 10)
-    results: dict[str, list[dict[str, float]]] = {"baseline": [], "restart": [], "live": []}
+    labels = ("baseline", "restart", "live, no spare", "live")
+    results: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
     for r in range(reps):
-        for label in results:
+        for label in labels:
             kill_at = 25 + 3 * r
-            run_dir = tmp / f"recovery-{label}-{r}" / "run"
-            results[label].append(_live_recovery_once(run_dir, p, kill_at) if label == "live"
-                                  else _recovery_once(run_dir, label == "restart", p, kill_at))
+            run_dir = tmp / f"recovery-{label.replace(', ', '-').replace(' ', '-')}-{r}" / "run"
+            results[label].append(
+                _live_recovery_once(run_dir, p, kill_at, spare=label == "live")
+                if label.startswith("live")
+                else _recovery_once(run_dir, label == "restart", p, kill_at))
     print(f"\n## 3-4. Recovery after SIGKILL of one worker (small preset, c10d, checkpoint "
-          f"every {p.every}, {reps} repetition(s))")
-    print("| part | baseline s | ours, restart s | ours, live s | restart / baseline | "
-          "live / restart |")
-    print("|---|---|---|---|---|---|")
+          f"every {p.every}, {reps} repetition(s); live: with the hot spare, the default)")
+    print("| part | baseline s | ours, restart s | ours, live, no spare s | ours, live s | "
+          "restart / baseline | live, no spare / restart | live / restart |")
+    print("|---|---|---|---|---|---|---|---|")
     for key in ("total", "agent", "imports", "group", "build+restore", "ddp", "detected",
                 "new worker + group", "state sent", "first step", "lost steps", "bytes sent",
-                "restarts used", "job start"):
-        base, restart, live = ([x[key] for x in results[label] if not x["failed"] and key in x]
-                               for label in ("baseline", "restart", "live"))
-        print(f"| {key} | {_summary(base)} | {_summary(restart)} | {_summary(live)} | "
-              f"{_ratio(restart, base)} | {_ratio(live, restart)} |")
+                "restarts used", "spare took the place", "job start"):
+        base, restart, unspared, live = (
+            [x[key] for x in results[label] if not x["failed"] and key in x]
+            for label in labels)
+        print(f"| {key} | {_summary(base)} | {_summary(restart)} | {_summary(unspared)} | "
+              f"{_summary(live)} | {_ratio(restart, base)} | {_ratio(unspared, restart)} | "
+              f"{_ratio(live, restart)} |")
     for label, runs in results.items():
         failed = sum(int(x["failed"]) for x in runs)
         print(f"{label}: {len(runs) - failed} of {len(runs)} kills recovered"
