@@ -5,6 +5,7 @@ Also runs without torchrun, as a world of one: ``python -m elastic_train.train .
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -12,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train.config import parse_job_args
@@ -26,7 +28,7 @@ from elastic_train.process_exit import exit_process
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import Task, TaskContext
 from elastic_train.tasks.loader import load_task
-from elastic_train.trainer import Built, Trainer, build_task
+from elastic_train.trainer import Built, Trainer, build_task, warm_up
 from elastic_train.worker_start import name_process
 
 IMPORTED = time.time()  # start-up timeline: imports done
@@ -135,6 +137,10 @@ def _build_as_spare(args: list[str]) -> SpareBuilt | None:
         built = build_task(task, config.train.seed)
     except Exception:  # a spare says nothing: the replacement forked instead reports it
         return None
+    if not torch.cuda.is_available():  # on a GPU node it would take CPU from the workers
+        with contextlib.suppress(Exception):  # an optimisation only
+            warm_up(task, built, config.train.batch_size // max(1, env.world_size),
+                    config.train.lr)
     place = wait_for_place(env.live_store) if env.live_store else None
     if place is None:
         return None

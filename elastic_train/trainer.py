@@ -93,6 +93,19 @@ def build_task(task: Task, seed: int) -> Built:
     return Built(model, task.build_dataset())
 
 
+def warm_up(task: Task, built: Built, samples: int, lr: float) -> None:
+    """One throwaway forward, backward and optimizer step on ``built`` (a hot spare's, on
+    the CPU): a process' first step pays one-time costs (allocator, kernel set-up) that
+    would otherwise fall on the step a recovery redoes. It leaves no gradients; the values
+    it changes are overwritten by the state the spare receives."""
+    n = max(1, min(samples, len(built.dataset)))
+    batch = collate(task, [built.dataset[i] for i in range(n)])
+    optimizer = task.build_optimizer(built.model, lr)
+    task.loss(built.model, batch).backward()
+    optimizer.step()
+    built.model.zero_grad(set_to_none=True)
+
+
 def micro_batches(indices: torch.Tensor, limit: int) -> list[torch.Tensor]:
     """Split a rank's share into forward passes of at most ``limit`` samples (0: one pass)."""
     if limit <= 0 or len(indices) <= limit:
