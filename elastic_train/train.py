@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         built = _build_as_spare(args)
         if built is None:  # its agent ended, or it could not build: nothing to do
             return 0
+        imported_at = time.time()  # its start-up timeline begins with its place
     env = read_worker_env()
     endpoint: WorkerEndpoint | None = None
     linger = 0.0

@@ -155,9 +155,14 @@ class Trainer:
         self._marks = {"process_start": process_start_time(), **(marks or {})}
 
     # ---- building ------------------------------------------------------------------------
-    def _build(self) -> None:
+    def _build(self, arriving: bool) -> None:
+        """Build the model, data and optimizer. What a hot spare built ahead is used only
+        when this worker arrives in a running world (the state it receives overwrites the
+        model's values); a world that starts afresh needs the seed's initial weights."""
         cfg = self.config.train
-        built, self._built = self._built or build_task(self.task, cfg.seed), None
+        built = self._built if arriving and self._built is not None \
+            else build_task(self.task, cfg.seed)
+        self._built = None
         self.model = built.model.to(self.group.device)
         self.dataset = built.dataset
         if len(self.dataset) < cfg.batch_size:
@@ -250,10 +255,10 @@ class Trainer:
 
     def _run(self) -> RunSummary | None:
         cfg = self.config.train
-        self._build()
-        restored = None
         live = self.runtime.live
         arriving = live is not None and live.arriving
+        self._build(arriving)
+        restored = None
         if arriving:
             assert live is not None
             # Started into a running world: built, it joins, and a member sends the state.
