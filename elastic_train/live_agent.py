@@ -195,21 +195,11 @@ class PerWorkerProcesses:
         self._pids[local_rank] = self._running[local_rank].pids()[0]
         return self._pids[local_rank]
 
-    @property
-    def spare_pid(self) -> int | None:
-        return None if self._spare is None else self._spare.pids()[0]
-
     def wants_spare(self) -> bool:
         """Whether a spare should be started now (none runs, and one is due)."""
-        if self._spare_store is None or self._spare_ends >= SPARE_ENDS:
+        if self._spare_store is None:
             return False
-        if self._spare is not None and self._spare.wait(0) is not None:
-            self._spare = None  # it ended on its own (killed, or it could not build)
-            self._spare_ends += 1
-            self._spare_due = time.monotonic() + self._spare_delay
-            log.warning("the hot spare ended before it was needed (%d of %d): %s",
-                        self._spare_ends, SPARE_ENDS, "another is started later"
-                        if self._spare_ends < SPARE_ENDS else "no more spares")
+        self._spare_ended()
         return self._spare is None and self._spare_ends < SPARE_ENDS \
             and time.monotonic() >= self._spare_due
 
@@ -220,19 +210,25 @@ class PerWorkerProcesses:
         self._spare = self._start_one(template, spare_env(self._envs[template]))
         return self._spare.pids()[0]
 
-    def delay_spare(self) -> None:
-        """No spare before ``hot_spare.spare_delay()`` from now."""
-        self._spare_due = time.monotonic() + self._spare_delay
-
     def _take_spare(self) -> PContext | None:
+        if self._spare_ended() or self._spare is None:
+            return None
         spare, self._spare = self._spare, None
-        if spare is None:
-            return None
-        self.delay_spare()
-        if spare.wait(0) is not None:  # ended before it was needed
-            self._spare_ends += 1
-            return None
+        self._spare_due = time.monotonic() + self._spare_delay
         return spare
+
+    def _spare_ended(self) -> bool:
+        """Whether the spare ended on its own (killed, or it could not build): then it is
+        counted, said and forgotten, and the next one is due after the delay."""
+        if self._spare is None or self._spare.wait(0) is None:
+            return False
+        self._spare = None
+        self._spare_ends += 1
+        self._spare_due = time.monotonic() + self._spare_delay
+        log.warning("the hot spare ended before it was needed (%d of %d): %s",
+                    self._spare_ends, SPARE_ENDS, "another is started later"
+                    if self._spare_ends < SPARE_ENDS else "no more spares")
+        return True
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """What a ``PContext`` returns: a failure as soon as one worker failed, every
