@@ -249,12 +249,16 @@ class PerWorkerProcesses:
             time.sleep(period)
 
     def close(self, death_sig: Any = None, timeout: int = 30) -> None:
+        """Stop the workers, then the spare. The workers first: a SIGTERM (a preemption)
+        must reach them at once, and a second signal that interrupts this must not leave
+        one running; a spare left behind exits once this agent's store is gone."""
         spare, self._spare = self._spare, None
-        if spare is not None:
-            self._dismiss(spare)
-        for ctx in [*self._running.values(), *([spare] if spare is not None else [])]:
+        for ctx in self._running.values():
             ctx.close(death_sig, timeout)
         self._running.clear()
+        if spare is not None:
+            self._dismiss(spare)
+            spare.close(death_sig, timeout)
 
     def _dismiss(self, spare: PContext) -> None:
         """Tell an idle spare to exit (an empty place), and give it a moment: killed, it

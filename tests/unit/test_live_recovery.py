@@ -96,6 +96,11 @@ class _Result:
         return bool(self.failures)
 
 
+stops: list[tuple[str, int]] = []
+"""What happened to the scripted contexts at a close, in order: ("waited", pid) for a wait
+with a timeout (a spare's dismissal), ("closed", pid)."""
+
+
 class _Context:
     """A worker's process context with a scripted outcome (None: still running)."""
 
@@ -108,10 +113,13 @@ class _Context:
         return {0: self.pid}
 
     def wait(self, timeout: float = -1, period: float = 1) -> _Result | None:
+        if timeout > 0:
+            stops.append(("waited", self.pid))
         return self.outcome
 
     def close(self, death_sig: Any = None, timeout: int = 30) -> None:
         self.closed = True
+        stops.append(("closed", self.pid))
 
 
 def _workers(n: int, spare_store: Any = None) -> tuple[PerWorkerProcesses, list[_Context]]:
@@ -146,8 +154,12 @@ def test_a_failed_worker_s_place_goes_to_the_hot_spare_then_a_new_spare_is_due(
     assert _place(store, spare) == {"LOCAL_RANK": "1", "GEN": "1"}
     assert workers.wants_spare()  # the spare is a worker now: the next one is due
     workers.start_spare()
+    stops.clear()
     workers.close()                                           # the idle spare is dismissed
     assert _place(store, 103) == {} and all(started[i].closed for i in (0, 2, 3))
+    # the workers first (a SIGTERM reaches them at once; a second signal that cuts the
+    # close short leaves no worker running), the spare last
+    assert stops == [("closed", 100), ("closed", spare), ("waited", 103), ("closed", 103)]
 
 
 def test_without_a_live_spare_a_replacement_is_forked_and_spares_that_end_are_limited(
