@@ -87,6 +87,7 @@ from elastic_train.live_recovery import (
     Announcement,
     announcement_key,
 )
+from elastic_train.rendezvous.forget import forget_nodes, rendezvous_node_id
 from elastic_train.store_binding import listening_store
 
 log = logging.getLogger(__name__)
@@ -407,7 +408,14 @@ class LiveRecoveryAgent(LocalElasticAgent):
         plan is committed there by compare-and-swap from the plan it replaces, a round's
         first plan from whatever is there: so a coordinator whose world was superseded by
         a newer round (a node cut off while the others formed that round without it)
-        commits nothing, although no one else ever wrote in its own round's store."""
+        commits nothing, although no one else ever wrote in its own round's store.
+
+        On a backend whose worlds never re-form across nodes (torch's ``etcd``, whose
+        store has no compare-and-swap), only a round of one agent re-forms in place: its
+        plans stay in this agent's own store, where no other agent could commit one."""
+        if worker_group.spec.rdzv_handler.get_backend() not in ACROSS_NODES:
+            assert self._node_store is not None
+            return dist.PrefixStore("elastic_train/job", self._node_store)
         store = worker_group.store
         if isinstance(store, dist.PrefixStore):
             store = store.underlying_store
@@ -422,6 +430,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
                 log.warning("live recovery is off (%s): a failed worker restarts every "
                             "worker from the newest checkpoint", why_not)
                 self._said_why_not = True
+            if isinstance(self._pcontext, PerWorkerProcesses):  # never two worlds at once
+                self._pcontext.close()
             self._plan = None
             return self._watched(super()._start_workers(worker_group))
         self._ensure_node_store(worker_group)
@@ -625,6 +635,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
         self._announce(worker_group, plan, "abort")
         log.warning("the world re-formed in place as generation %d: %d workers on %d nodes "
                     "(%s)", plan.generation, plan.world_size, len(plan.members), plan.cause)
+        if plan.lost and plan.group_store == self.address:  # its coordinator, once told
+            forget_nodes(worker_group.spec.rdzv_handler,
+                         [m.rdzv_node for m in plan.lost_from(base)])
         return True
 
     def _coordinate(self, worker_group: WorkerGroup, base: Plan, generation: int,
@@ -708,11 +721,13 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
     def _arrival(self, worker_group: WorkerGroup, alive: tuple[int, ...]) -> Arrival:
         plan = self._plan
+        node = rendezvous_node_id(worker_group.spec.rdzv_handler)
         if plan is None or self.address not in plan.agents:
-            return Arrival(self.address, worker_group.spec.local_world_size)
+            return Arrival(self.address, worker_group.spec.local_world_size, rdzv_node=node)
         first = plan.first_rank(self.address)
         return Arrival(self.address, worker_group.spec.local_world_size, alive, first,
-                       plan.generation, plan.world_size, writer=first == 0 and 0 in alive)
+                       plan.generation, plan.world_size, writer=first == 0 and 0 in alive,
+                       rdzv_node=node)
 
     def _holding(self) -> tuple[int, ...]:
         """Local ranks whose workers hold the state now (run, restored, in the loop)."""
@@ -727,9 +742,12 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """A node waits to join (torch's agent calls this on a healthy group): a new
-        rendezvous round while the workers train on, then a plan that keeps them."""
+        rendezvous round while the workers train on, then a plan that keeps them. On a
+        backend whose worlds do not re-form across nodes the round will have two nodes and
+        no live recovery: the workers stop first, as torch's agent stops them."""
         if worker_group.state == WorkerState.HEALTHY and self._holding() \
-                and self._live_possible(worker_group) is None:
+                and self._live_possible(worker_group) is None \
+                and worker_group.spec.rdzv_handler.get_backend() in ACROSS_NODES:
             self._rendezvous(worker_group)
             for local_rank, pid in self._start_workers(worker_group).items():
                 worker_group.workers[local_rank].id = pid

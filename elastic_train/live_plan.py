@@ -40,7 +40,8 @@ class Arrival:
     ranks whose processes hold the state now (empty: none does); ``first_rank``: the global
     rank of its local rank 0 in the generation it was in (None: it was in none);
     ``generation``: the newest generation it knows (-1: none) and ``world_size`` that
-    generation's; ``writer``: its worker that was rank 0 (the checkpoint writer) is alive.
+    generation's; ``writer``: its worker that was rank 0 (the checkpoint writer) is alive;
+    ``rdzv_node``: its node in the rendezvous (rendezvous/forget.py; "": none known).
     """
 
     agent: str
@@ -50,6 +51,7 @@ class Arrival:
     generation: int = -1
     world_size: int | None = None
     writer: bool = False
+    rdzv_node: str = ""
 
     @property
     def holds_state(self) -> bool:
@@ -63,15 +65,18 @@ class Arrival:
         raw = json.loads(text)
         return cls(str(raw["agent"]), int(raw["workers"]), tuple(raw.get("alive", ())),
                    raw.get("first_rank"), int(raw.get("generation", -1)),
-                   raw.get("world_size"), bool(raw.get("writer", False)))
+                   raw.get("world_size"), bool(raw.get("writer", False)),
+                   str(raw.get("rdzv_node", "")))
 
 
 @dataclass(frozen=True)
 class Member:
-    """One agent of a generation: its id and how many workers it runs."""
+    """One agent of a generation: its id, how many workers it runs, and its node in the
+    rendezvous (so that the others can remove it from there once it is lost)."""
 
     agent: str
     workers: int
+    rdzv_node: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,10 @@ class Plan:
     def agents(self) -> tuple[str, ...]:
         return tuple(m.agent for m in self.members)
 
+    def lost_from(self, previous: Plan) -> tuple[Member, ...]:
+        """The members of ``previous`` that this plan lost."""
+        return tuple(m for m in previous.members if m.agent in self.lost)
+
     def node_index(self, agent: str) -> int:
         """The agent's place among the members (its workers' GROUP_RANK)."""
         return self.agents.index(agent)
@@ -142,7 +151,8 @@ class Plan:
         raw = json.loads(data)
         return cls(
             generation=int(raw["generation"]), kind=str(raw["kind"]),
-            members=tuple(Member(str(m["agent"]), int(m["workers"])) for m in raw["members"]),
+            members=tuple(Member(str(m["agent"]), int(m["workers"]), str(m.get("rdzv_node", "")))
+                          for m in raw["members"]),
             group_store=str(raw["group_store"]), cause=str(raw["cause"]),
             lost=tuple(raw.get("lost", ())), failed_ranks=tuple(raw.get("failed_ranks", ())),
             previous_world_size=raw.get("previous_world_size"),
@@ -173,7 +183,7 @@ def plan_round(arrivals: Sequence[Arrival], group_store: str, *, detected_at: fl
     """
     generation = max((a.generation for a in arrivals), default=-1) + 1
     ordered = _in_rank_order(arrivals)
-    members = tuple(Member(a.agent, a.workers) for a in ordered)
+    members = tuple(Member(a.agent, a.workers, a.rdzv_node) for a in ordered)
     holders = [a for a in ordered if a.holds_state]
     if not holders:
         return Plan(generation, FRESH, members, group_store, "start",

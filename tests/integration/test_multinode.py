@@ -69,6 +69,11 @@ JOB = [
 # Fast failure detection for a test: a node is dead after 5 s without heartbeat, and a
 # round closes 1 s after its minimum is there.
 FAST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+# Live recovery removes a lost node from c10d's rendezvous itself (rendezvous/forget.py): its
+# heartbeats expire only after EXPIRY seconds, which a join must not wait for.
+EXPIRY = 60
+SLOW_EXPIRY = f"last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt={EXPIRY // 2}," \
+    "join_timeout=60"
 # etcd-v3 notices a dead node by its lease (design=leases): gone 3 s after its agent died.
 FAST_V3 = "last_call_timeout=1,lease_ttl=3,join_timeout=60"
 
@@ -357,14 +362,15 @@ def first_recovery(events: list[dict[str, Any]], cause: str) -> dict[str, Any]:
     return next(e for e in events if e["event"] == "recovery" and e.get("cause") == cause)
 
 
-def c10d_node(tmp_path: Path, port: int, job: list[str]) -> Callable[[str], harness.Job]:
+def c10d_node(tmp_path: Path, port: int, job: list[str], rdzv_conf: str = FAST
+              ) -> Callable[[str], harness.Job]:
     """Nodes of the README's c10d command: node-a hosts the store (so a and b may start
     together); the others connect."""
     command = harness.readme_command("elastic-train run", "--rdzv-backend c10d")
     assert "--batch-policy scale-lr" in command
 
     def start(name: str) -> harness.Job:
-        conf = f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
+        conf = f"{rdzv_conf},is_host={'true' if name == 'node-a' else 'false'}"
         return readme_node(command, tmp_path / "run", name,
                            {"127.0.0.1:29400": f"127.0.0.1:{port}"}, tmp_path.name, conf, job)
     return start
@@ -377,10 +383,12 @@ def test_c10d_loses_a_node_and_grows_back_in_place_scaling_the_lr(tmp_path: Path
     checkpoint is loaded, the loss redoes at most the step in flight and the join none.
     ``--batch-policy scale-lr`` keeps the per-rank batch of the first world (16 samples
     when it had 2 ranks): the global batch goes 32 -> 16 -> 32 and the learning rate
-    follows it."""
+    follows it. The node that joins right after the loss does not wait for the lost node's
+    heartbeats to expire (EXPIRY): the survivors removed it from the rendezvous."""
     run_dir = tmp_path / "run"
-    measured = lose_a_node_and_add_one(run_dir, c10d_node(tmp_path, free_port(), JOB),
-                                       victim="store-client")
+    measured = lose_a_node_and_add_one(run_dir, c10d_node(tmp_path, free_port(), JOB,
+                                                          SLOW_EXPIRY), victim="store-client")
+    assert measured.grow < EXPIRY, measured
     events = check_the_log(run_dir)
     assert_scaled_lr(events)
     names = [e["event"] for e in events]

@@ -85,6 +85,21 @@ def test_a_lost_worker_is_started_again_at_its_rank() -> None:
     assert not plan.claim_epoch
 
 
+def test_a_members_rendezvous_node_goes_with_it_into_plans_and_out_when_it_is_lost() -> None:
+    first = plan_round([Arrival(A, 1, rdzv_node="a_10_0"), Arrival(B, 1, rdzv_node="b_20_0")],
+                       A)
+    assert [m.rdzv_node for m in first.members] == ["a_10_0", "b_20_0"]
+    started = Plan(1, LIVE, first.members, A, "start", kept={A: (0,), B: (0,)})
+    arrival = Arrival(A, 1, (0,), 0, 1, 2, writer=True, rdzv_node="a_10_0")
+    plan = plan_reformation(started, {A: arrival}, A)
+    assert plan is not None and plan.members == (Member(A, 1, "a_10_0"),)
+    assert plan.lost_from(started) == (Member(B, 1, "b_20_0"),)
+    assert Plan.decode(plan.encode()) == plan and Arrival.decode(arrival.encode()) == arrival
+    # a plan written before members carried their node still reads
+    older = world_of((A, 1)).encode().replace(b', "rdzv_node": ""', b"")
+    assert b"rdzv_node" not in older and Plan.decode(older).members == (Member(A, 1),)
+
+
 def test_no_holder_left_means_the_checkpoint() -> None:
     before = world_of((A, 1), (B, 1))
     assert plan_reformation(before, {B: holder(B, 1, before, alive=())}, B) is None

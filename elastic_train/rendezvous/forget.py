@@ -1,0 +1,96 @@
+"""Tell the rendezvous that nodes are gone, once live recovery knows it.
+
+torch's dynamic rendezvous (c10d, and etcd-v3's ``design=state-key``) keeps a node as a
+participant of its round until its heartbeats are judged stale (``keep_alive_interval`` x
+``keep_alive_max_attempt``: 15 s by default). Live recovery re-forms the world without a
+lost node at once, but a node that joins soon after waits out that expiry: the next round
+begins only when every participant of the current one left it, the dead one included.
+
+The agent that coordinated a re-formation therefore removes the lost nodes from the
+rendezvous' state itself, the way torch's expiry does (their heartbeats marked stale, then
+torch's own sanitizer), written back by compare-and-swap like every change of that state.
+A node removed while it still runs (cut off, not dead) is what torch's expiry would make
+of it too: it stops sending heartbeats, finds itself outside the newer plan, and joins
+again as a new node.
+
+The lease design of etcd-v3 (lease_handler.py) needs none of this: a round there never
+waits for a member of the one before.
+
+Handlers offer this through two calls, ``rendezvous_node_id`` and ``forget_nodes``; a
+handler of our own may define methods of those names, torch's dynamic handler is served
+here, and any other handler forgets nothing (its nodes expire as they always did).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from datetime import UTC, datetime
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+
+log = logging.getLogger(__name__)
+
+FORGET_ATTEMPTS = 5
+"""Compare-and-swap attempts (each one lost to a concurrent heartbeat or join re-reads)."""
+_STALE = datetime.min.replace(tzinfo=UTC)
+
+
+def rendezvous_node_id(handler: RendezvousHandler) -> str:
+    """This agent's node in ``handler``'s rendezvous, as ``forget_nodes`` takes it ("" when
+    the handler has no such notion)."""
+    own = getattr(handler, "rendezvous_node_id", None)
+    if callable(own):
+        return str(own())
+    node = getattr(handler, "_this_node", None)  # torch's DynamicRendezvousHandler
+    return repr(node) if node is not None else ""
+
+
+def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str]) -> list[str]:
+    """Remove the nodes ``node_ids`` (``rendezvous_node_id`` of their agents) from the
+    current round of ``handler``'s rendezvous now, as their heartbeats' expiry would later;
+    the ids removed. Never raises for the rendezvous' sake: on any error the nodes simply
+    expire as before (logged)."""
+    wanted = {n for n in node_ids if n}
+    if not wanted:
+        return []
+    own = getattr(handler, "forget_nodes", None)
+    if callable(own):
+        return list(own(wanted))
+    holder = getattr(handler, "_state_holder", None)
+    if holder is None or not hasattr(holder, "_sanitize"):
+        return []
+    lock = getattr(handler, "_heartbeat_lock", None)  # torch's heartbeat thread shares holder
+    try:
+        if lock is None:
+            return _forget(holder, wanted)
+        with lock:
+            return _forget(holder, wanted)
+    except Exception as exc:  # a shortcut of torch's own expiry: never worth failing over
+        log.warning("could not remove the lost node(s) %s from the rendezvous (%s: %s): they "
+                    "leave it when their heartbeats expire", sorted(wanted),
+                    type(exc).__name__, exc)
+        return []
+
+
+def _forget(holder: Any, wanted: set[str]) -> list[str]:
+    holder.sync()
+    for _ in range(FORGET_ATTEMPTS):
+        state = holder.state
+        found = [node for node in state.last_heartbeats if repr(node) in wanted]
+        if not found:
+            return []
+        for node in found:
+            state.last_heartbeats[node] = _STALE
+        holder._sanitize()  # torch's removal of expired nodes, this round's epilogue included
+        holder.mark_dirty()
+        if holder.sync():  # written: the state as the others read it now
+            removed = sorted(repr(n) for n in found if n not in holder.state.last_heartbeats)
+            if removed:
+                log.info("removed the lost node(s) %s from the rendezvous", removed)
+            return removed
+        # another node changed the state first: sync() read its version; try on that
+    log.warning("could not remove the lost node(s) %s from the rendezvous in %d attempts: "
+                "they leave it when their heartbeats expire", sorted(wanted), FORGET_ATTEMPTS)
+    return []
