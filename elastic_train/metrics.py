@@ -4,7 +4,9 @@ Each worker builds a ``WorkerMetrics`` on a registry it is given (never promethe
 global default) and serves it on its own port (``metrics_server.py``). Its values come from
 the same records that rank 0 writes to ``events.jsonl`` (``observe``), so the endpoint, the
 log and the report agree. Every series carries the bounded labels ``run_id``, ``rank`` and
-``node``; names follow Prometheus' conventions (one prefix, base units, ``_total``).
+``node``; names follow Prometheus' conventions (one prefix, base units, ``_total``). The
+``rank`` label is the worker's rank now: a live re-formation that moves a worker to another
+rank (a node before it was lost) moves its series too (``moved``), values kept.
 
 Rank 0 alone saves checkpoints and reads the event log (the ``rendezvous`` record tells it
 about the incarnation before), so the checkpoint-save, last-good-checkpoint, skipped,
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 import platform
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 from elastic_train import __version__
 from elastic_train.env import WorkerEnv
@@ -64,6 +68,24 @@ class _Lazy:
         self._child.set(value)
 
 
+class _CurrentRank(Collector):
+    """Serves the series of ``inner`` with the ``rank`` label set to ``rank`` at each
+    scrape (the series are built once, under the rank the worker started with)."""
+
+    def __init__(self, inner: CollectorRegistry, rank: int) -> None:
+        self._inner = inner
+        self.rank = rank
+
+    def collect(self) -> Iterator[Metric]:
+        rank = str(self.rank)
+        for family in self._inner.collect():
+            moved = Metric(family.name, family.documentation, family.type, family.unit)
+            moved.samples = [sample._replace(labels={**sample.labels, "rank": rank})
+                             if "rank" in sample.labels else sample
+                             for sample in family.samples]
+            yield moved
+
+
 class WorkerMetrics:
     """The metrics of one worker process.
 
@@ -75,6 +97,9 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, env: WorkerEnv, batch_size: int, *,
                  min_world_size: int = 0, node: str | None = None) -> None:
         self.rank = env.rank
+        series = CollectorRegistry()  # every labelled series, served with the current rank
+        self._served = _CurrentRank(series, env.rank)
+        registry.register(self._served)
         self.batch_size = batch_size
         self._previous: Mapping[str, Any] = {}   # rank 0: the rendezvous record
         self._world = env.world_size
@@ -87,7 +112,7 @@ class WorkerMetrics:
         def family(kind: Any, name: str, doc: str, extra: tuple[str, ...] = (),
                    **kwargs: Any) -> Any:
             return kind(f"{PREFIX}_{name}", doc, labelnames=[*LABELS, *extra],
-                        registry=registry, **kwargs)
+                        registry=series, **kwargs)
 
         def now(kind: Any, name: str, doc: str, **kwargs: Any) -> Any:
             return family(kind, name, doc, **kwargs).labels(**labels)
@@ -195,6 +220,12 @@ class WorkerMetrics:
             Event.CHECKPOINT_SKIPPED: self._on_skipped, Event.RECOVERY: self._on_recovery,
             Event.CHECKPOINT_FAILED: lambda record: self.failed.inc(),
         }
+
+    def moved(self, env: WorkerEnv) -> None:
+        """This worker's new place after the world re-formed in place: its series follow
+        its rank, and its share of each global batch is counted at that rank."""
+        self.rank = self._served.rank = env.rank
+        self._world = env.world_size
 
     def observe(self, record: Mapping[str, Any]) -> None:
         """Update the metrics from one event-log record (an ``EventObserver``)."""

@@ -136,6 +136,9 @@ class WorkerRuntime:
         self._installed = False
         self._joined_at: float | None = None
         """When this worker, started into a running world, joined it."""
+        self.on_moved: list[Callable[[WorkerEnv], None]] = []
+        """Called with this worker's new place when a re-formation changed its rank (its
+        process name, log prefix and metrics follow it)."""
 
     # ---- life cycle ------------------------------------------------------------------------
     def install(self) -> WorkerRuntime:
@@ -212,12 +215,16 @@ class WorkerRuntime:
         """This worker's new process group (the world re-formed in place), and its new
         place in the job (``env``: rank, world and node may change with it). Rank 0 keeps
         the event log and writes the checkpoints, whichever process it is now."""
+        moved = env is not None and env.rank != self.env.rank
         self.group = group
         if env is not None:
             self.env = env
         self.events.enabled = group.rank == 0
         self.checkpoints.group = group
         self.save_failure.group = group
+        if moved:
+            for callback in self.on_moved:
+                callback(self.env)
 
     def failed_step(self, exc: BaseException) -> bool:
         """After a step failed with ``exc``: whether the world re-forms in place (a new

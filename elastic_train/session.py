@@ -179,6 +179,8 @@ class ElasticSession:
                                      preemption_budget=preemption_budget,
                                      save_failure_option="on_save_failure").install()
         self.runtime.live = self.live
+        if self.live is not None:  # its name in ps follows its rank (a re-formation moves it)
+            self.runtime.on_moved.append(lambda moved: name_process(moved.rank))
         self._counter = _Counter()
         self._calls = 0
         """``step()`` calls, failed steps included (``steps()`` checks them)."""

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from elastic_train.config import parse_job_args
 from elastic_train.determinism import make_deterministic
 from elastic_train.distributed import abandoned_groups, destroy_group, init_group
-from elastic_train.env import read_worker_env
+from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
 from elastic_train.hot_spare import is_spare, take_place, wait_for_place
 from elastic_train.live_recovery import live_world_for
@@ -41,13 +41,30 @@ class SpareBuilt(Built):
     task: Task | None = None
 
 
-def _setup_logging(rank: int) -> None:
+def _setup_logging(rank: int) -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    _prefix_rank(handler, rank)
     logger = logging.getLogger("elastic_train")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    return handler
+
+
+def _prefix_rank(handler: logging.Handler, rank: int) -> None:
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+
+
+def _follow_rank(log_handler: logging.Handler, endpoint: WorkerEndpoint | None
+                 ) -> Callable[[WorkerEnv], None]:
+    """What follows this worker to a new rank (runtime.on_moved): its process name, its log
+    lines' prefix and its metrics' rank label."""
+    def moved(env: WorkerEnv) -> None:
+        name_process(env.rank)
+        _prefix_rank(log_handler, env.rank)
+        if endpoint is not None:
+            endpoint.metrics.moved(env)
+    return moved
 
 
 def _record_for_agent(exc: BaseException) -> None:
@@ -84,7 +101,7 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         if live is not None:  # this worker's place comes from its agent's plan
             env = live.env
         name_process(env.rank)
-        _setup_logging(env.rank)
+        log_handler = _setup_logging(env.rank)
         if config.train.deterministic:
             make_deterministic()
         if env.rank == 0:
@@ -106,6 +123,7 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         observers = [endpoint.metrics.observe] if endpoint is not None else []
         trainer = Trainer(config, env, task, group, marks=marks, observers=observers, live=live,
                           built=built)
+        trainer.runtime.on_moved.append(_follow_rank(log_handler, endpoint))
         trainer.run()
         if trainer.state.step >= config.train.steps:   # not after a preemption: no time
             linger = config.metrics.linger_seconds

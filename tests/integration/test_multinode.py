@@ -88,6 +88,8 @@ class Resize:
     grow: float
     rendezvous: list[Any]
     survivor_pids: list[set[int]]
+    at_world_1: Any = None
+    """What ``lose_a_node_and_add_one``'s ``at_world_1`` returned."""
 
 
 def node_hosting_rank0(*jobs: harness.Job) -> harness.Job:
@@ -112,8 +114,10 @@ def readme_node(command: str, run_dir: Path, name: str, replace: dict[str, str],
 
 
 def lose_a_node_and_add_one(run_dir: Path, start_node: Callable[[str], harness.Job],
-                            victim: str) -> Resize:
-    """The scenario of the module docstring; returns what it measured.
+                            victim: str,
+                            at_world_1: Callable[[harness.Job], Any] | None = None) -> Resize:
+    """The scenario of the module docstring; returns what it measured (``at_world_1``: a
+    look at the survivor once it stepped at world 1).
 
     Nodes a and b start together; if one is slow enough to miss the first round's last
     call, the job starts at world size 1 and grows to 2 first (checked by the callers).
@@ -130,6 +134,7 @@ def lose_a_node_and_add_one(run_dir: Path, start_node: Callable[[str], harness.J
         killed_at = dead.kill_node()
         shrunk = survivor.wait_for_event(step_at(1, after=killed_at), TIMEOUT)
         pids.append(set(harness.workers_of(survivor.proc.pid).values()))
+        looked = at_world_1(survivor) if at_world_1 is not None else None
         joined_at = time.time()
         third = start_node("node-c")
         nodes.append(third)
@@ -144,7 +149,7 @@ def lose_a_node_and_add_one(run_dir: Path, start_node: Callable[[str], harness.J
     return Resize(to_first_step=first_step["time"] - launched,
                   shrink=shrunk["time"] - killed_at, grow=grown["time"] - joined_at,
                   rendezvous=[e for e in events if e["event"] == "rendezvous"],
-                  survivor_pids=pids)
+                  survivor_pids=pids, at_world_1=looked)
 
 
 def effective_steps(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -238,16 +243,31 @@ def test_etcd_v3_loses_the_rank0_node_and_grows_back_in_place(tmp_path: Path,
     survivor re-forms the world in place (its worker keeps its process, at most the step
     in flight is redone), takes over the event log and, the writer being lost, claims a
     new writer epoch from the step the world goes on from; the node that joins receives
-    the state from it, and no checkpoint is ever loaded."""
+    the state from it, and no checkpoint is ever loaded. The survivor's worker, rank 1
+    before, is rank 0 now in ps, and its metrics are served under rank="0"."""
     assert not etcd_v3.serves_v2()
     command = harness.readme_command("elastic-train run", "--rdzv-backend etcd-v3")
     run_dir = tmp_path / "run"
+    metrics_port: dict[Path, int] = {}
 
     def start(name: str) -> harness.Job:
-        return readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v3.endpoint},
-                           tmp_path.name, FAST_V3, JOB)
+        port = harness.free_ports(1)
+        job = readme_node(command, run_dir, name, {"127.0.0.1:2379": etcd_v3.endpoint},
+                          tmp_path.name, FAST_V3, [*JOB, "--metrics-port", str(port),
+                                                   "--metrics-address", "127.0.0.1"])
+        metrics_port[job.log_path] = port
+        return job
 
-    measured = lose_a_node_and_add_one(run_dir, start, victim="rank0")
+    def look(survivor: harness.Job) -> tuple[dict[int, int], float | None, float | None]:
+        samples = harness.scrape(f"http://127.0.0.1:{metrics_port[survivor.log_path]}/metrics")
+        return (harness.workers_of(survivor.proc.pid),
+                harness.sample(samples, "elastic_train_world_size", rank="0"),
+                harness.sample(samples, "elastic_train_world_size", rank="1"))
+
+    measured = lose_a_node_and_add_one(run_dir, start, victim="rank0", at_world_1=look)
+    workers, world_at_rank0, world_at_rank1 = measured.at_world_1
+    assert list(workers) == [0] and set(workers.values()) == measured.survivor_pids[0]
+    assert (world_at_rank0, world_at_rank1) == (1, None), measured.at_world_1
     events = check_the_log(run_dir)
     assert {e["global_batch"] for e in events if e["event"] == "step"} == {BATCH}
     assert all(r["seconds"] > 0 for r in measured.rendezvous)  # the agent's timing

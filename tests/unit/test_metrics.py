@@ -116,6 +116,26 @@ def test_rank1_counts_its_share_and_exposes_no_rank0_series() -> None:
         assert value(registry, absent, **one) is None, absent
 
 
+def test_a_worker_moved_to_another_rank_serves_its_series_under_that_rank() -> None:
+    """A node before it was lost: rank 2 of 3 becomes rank 1 of 2 in place; its series move
+    to rank="1" with their values, and its share of each batch is rank 1's."""
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, WorkerEnv(rank=2, world_size=3, run_id="r"),
+                            batch_size=15, node="n")
+    feed(metrics, step(1, 1.0, world_size=3))
+    assert value(registry, "elastic_train_samples_total", rank="2") == 5   # 10..15 of 15
+    metrics.moved(WorkerEnv(rank=1, world_size=2, run_id="r"))
+    feed(metrics, step(2, 2.0))
+    for gone in ("elastic_train_samples_total", "elastic_train_steps_total",
+                 "elastic_train_step"):
+        assert value(registry, gone, rank="2") is None, gone
+    assert value(registry, "elastic_train_samples_total", rank="1") == 5 + 7  # 8..15 of 15
+    assert value(registry, "elastic_train_steps_total", rank="1") == 2
+    assert value(registry, "elastic_train_step_duration_seconds_count", rank="1") == 2
+    assert value(registry, "elastic_train_step", rank="1") == 2
+    assert registry.get_sample_value("process_open_fds") is not None  # unlabelled: as it was
+
+
 def test_records_without_optional_fields_are_fine() -> None:
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, WorkerEnv(run_id="r"), batch_size=4, node="n")

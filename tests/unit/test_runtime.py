@@ -257,3 +257,15 @@ def test_a_node_ready_to_join_takes_the_loop_out_at_the_vote(tmp_path: Path) -> 
         assert runtime.vote().reform
     finally:
         runtime.close()
+
+
+def test_a_new_rank_after_a_reformation_is_passed_on_and_the_same_rank_is_not(
+        tmp_path: Path) -> None:
+    runtime = make_runtime(RunDir(tmp_path / "run"), rank=1, world_size=2)
+    moves: list[WorkerEnv] = []
+    runtime.on_moved.append(moves.append)
+    runtime.set_group(GROUP, WorkerEnv(run_id="r1", rank=1, world_size=3))
+    assert moves == [] and runtime.env.world_size == 3
+    runtime.set_group(GROUP, WorkerEnv(run_id="r1", rank=0, world_size=1))
+    assert [(m.rank, m.world_size) for m in moves] == [(0, 1)]
+    assert runtime.events.enabled  # rank 0 keeps the event log now
