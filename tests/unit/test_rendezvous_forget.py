@@ -21,20 +21,34 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_train.rendezvous.forget import forget_nodes, rendezvous_node_id
+from elastic_train.rendezvous.handler import build_handler
+from elastic_train.rendezvous.options import EtcdV3Options
+from tests.memory_kv import MemoryKV
 
 RUN_ID = "forget-test"
 JOIN_SECONDS = 6
 """A round that waited for the lost node (its heartbeats expire after 10 min) times out."""
 
 
-@pytest.fixture
-def make_handler(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], Any]]:
+@pytest.fixture(params=["c10d", "etcd-v3 state-key"])
+def make_handler(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+                 ) -> Iterator[Callable[[], Any]]:
+    """Handlers of one rendezvous: torch's on c10d's backend (a real TCPStore), or etcd-v3's
+    ``design=state-key`` (torch's handler, our backend; here on the in-memory KV)."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=30))
+    kv = MemoryKV()
+    options = EtcdV3Options.parse("127.0.0.1:2379", {
+        "design": "state-key", "join_timeout": JOIN_SECONDS, "last_call_timeout": 0.3,
+        "keep_alive_interval": 60, "keep_alive_max_attempt": 10})
     made: list[DynamicRendezvousHandler] = []
 
     def make() -> DynamicRendezvousHandler:
+        if request.param != "c10d":
+            handler = build_handler(kv, options, RUN_ID, 2, 3, local_addr="127.0.0.1")
+            made.append(handler)
+            return handler
         client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
                                wait_for_workers=False, timeout=timedelta(seconds=30))
         handler = DynamicRendezvousHandler.from_backend(
@@ -107,6 +121,7 @@ def test_a_forgotten_node_leaves_the_round_and_a_new_node_joins_at_once(
     assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
 
 
+@pytest.mark.parametrize("make_handler", ["c10d"], indirect=True)  # torch's handler: once
 def test_without_it_the_join_waits_for_the_lost_nodes_heartbeats(
         make_handler: Callable[[], Any]) -> None:
     """What forget_nodes saves: the round waits for b to expire (here: times out first)."""
