@@ -3,12 +3,14 @@
 Lines are appended and flushed as they happen; a crash can tear at most the last line,
 which readers skip. Reports and the end-of-run summary are drawn from this file alone.
 Observers (the worker's metrics, rank 0's progress display) see every record as it is made,
-on every rank, whether or not this rank writes the file.
+on every rank, whether or not this rank writes the file. An observer that raises is logged
+(with its traceback, once) and never fails the emit: watching a job must not stop it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -18,8 +20,14 @@ from typing import Any, TextIO
 
 from elastic_train.event_schema import Event, EventRecord
 
+log = logging.getLogger(__name__)
+
 EventObserver = Callable[[Mapping[str, Any]], None]
 """Called with every record (``time``, ``event`` and its fields) right after it is made."""
+
+
+def _name(observer: EventObserver) -> str:
+    return getattr(observer, "__qualname__", None) or type(observer).__name__
 
 
 class EventLog:
@@ -36,6 +44,7 @@ class EventLog:
         self.observers = tuple(observers)
         self._file: TextIO | None = None
         self._lock = threading.Lock()  # the checkpoint writer thread emits too
+        self._failed: set[int] = set()  # observers (by index) whose failure was logged
 
     def emit(self, record: EventRecord) -> None:
         """Append one record (event_schema.py) and show it to the observers."""
@@ -61,8 +70,15 @@ class EventLog:
                 if _ends_torn(self.path):
                     self._file.write("\n")  # a crash tore the last line: start a fresh one
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        for observer in self.observers:
-            observer(record)
+        for index, observer in enumerate(self.observers):
+            try:
+                observer(record)
+            except Exception:
+                if index not in self._failed:
+                    self._failed.add(index)
+                    log.exception("an observer of the event log (%s) failed on a %r record: "
+                                  "training goes on, what it shows may be stale (later "
+                                  "failures of it are not logged)", _name(observer), event)
 
     def close(self) -> None:
         with self._lock:

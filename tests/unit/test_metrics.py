@@ -307,6 +307,26 @@ def test_observers_see_every_record_also_where_the_log_is_off(tmp_path: Path) ->
     assert seen[-1]["step"] == 2 and not (tmp_path / "off.jsonl").exists()
 
 
+def test_an_observer_that_raises_is_logged_once_and_stops_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A bug in the metrics must not end training (it once did: a rank moved by a live
+    re-formation raised in every step's observer)."""
+    def broken(record: Any) -> None:
+        raise ValueError("rank 1 outside world of 1")
+
+    seen: list[dict[str, Any]] = []
+    log = EventLog(tmp_path / "events.jsonl", observers=[broken, seen.append])
+    with caplog.at_level("WARNING", logger="elastic_train.events"):
+        log.emit_raw("step", step=1, loss=2.0)
+        log.emit_raw("step", step=2, loss=1.0)
+    log.close()
+    assert [r["step"] for r in seen] == [1, 2]
+    assert [r["step"] for r in read_events(tmp_path / "events.jsonl")] == [1, 2]
+    errors = [r for r in caplog.records if r.name == "elastic_train.events"]
+    assert len(errors) == 1 and "broken" in errors[0].getMessage()
+    assert errors[0].exc_info is not None and "outside world" in str(errors[0].exc_info[1])
+
+
 def test_previous_incarnation_knows_its_last_step_and_last_sign_of_life(tmp_path: Path
                                                                         ) -> None:
     path = tmp_path / "events.jsonl"
