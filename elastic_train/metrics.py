@@ -76,6 +76,11 @@ class _CurrentRank(Collector):
         self._inner = inner
         self.rank = rank
 
+    def describe(self) -> list[Metric]:
+        """The families served (a registry filtering by name, ``/metrics?name[]=``, needs
+        them: the outer registry does not describe collectors by itself)."""
+        return list(self.collect())
+
     def collect(self) -> Iterator[Metric]:
         rank = str(self.rank)
         for family in self._inner.collect():
@@ -98,8 +103,7 @@ class WorkerMetrics:
                  min_world_size: int = 0, node: str | None = None) -> None:
         self.rank = env.rank
         series = CollectorRegistry()  # every labelled series, served with the current rank
-        self._served = _CurrentRank(series, env.rank)
-        registry.register(self._served)
+        self._served = _CurrentRank(series, env.rank)  # registered once every family exists
         self.batch_size = batch_size
         self._previous: Mapping[str, Any] = {}   # rank 0: the rendezvous record
         self._world = env.world_size
@@ -212,6 +216,7 @@ class WorkerMetrics:
                                 "resumed from)")
         if env.rendezvous_seconds is not None:
             self.rendezvous.set(env.rendezvous_seconds)
+        registry.register(self._served)
         ProcessCollector(registry=registry)
         self._handlers: dict[str, Callable[[Mapping[str, Any]], None]] = {
             Event.START: self._on_start, Event.RENDEZVOUS: self._on_rendezvous,
@@ -226,6 +231,7 @@ class WorkerMetrics:
         its rank, and its share of each global batch is counted at that rank."""
         self.rank = self._served.rank = env.rank
         self._world = env.world_size
+        self.world_size.set(env.world_size)
 
     def observe(self, record: Mapping[str, Any]) -> None:
         """Update the metrics from one event-log record (an ``EventObserver``)."""

@@ -93,6 +93,7 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         imported_at = time.time()  # its start-up timeline begins with its place
     env = read_worker_env()
     endpoint: WorkerEndpoint | None = None
+    trainer: Trainer | None = None
     linger = 0.0
     try:
         config = parse_job_args(args)
@@ -132,7 +133,8 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
             print(f"elastic_train: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except ElasticTrainError as exc:
-        if env.rank == 0 or not getattr(exc, "reported_by_rank0", False):  # one line per job
+        rank = trainer.runtime.env.rank if trainer is not None else env.rank  # rank now
+        if rank == 0 or not getattr(exc, "reported_by_rank0", False):  # one line per job
             print(f"elastic_train: error: {exc}", file=sys.stderr, flush=True)
         _record_for_agent(exc)
         return exc.exit_code

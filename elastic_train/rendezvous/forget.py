@@ -40,11 +40,17 @@ _STALE = datetime.min.replace(tzinfo=UTC)
 def rendezvous_node_id(handler: RendezvousHandler) -> str:
     """This agent's node in ``handler``'s rendezvous, as ``forget_nodes`` takes it ("" when
     the handler has no such notion)."""
-    own = getattr(handler, "rendezvous_node_id", None)
-    if callable(own):
-        return str(own())
-    node = getattr(handler, "_this_node", None)  # torch's DynamicRendezvousHandler
-    return repr(node) if node is not None else ""
+    try:
+        own = getattr(handler, "rendezvous_node_id", None)
+        if callable(own):
+            return str(own())
+        node = getattr(handler, "_this_node", None)  # torch's DynamicRendezvousHandler
+        return repr(node) if node is not None else ""
+    except Exception as exc:  # only a shortcut depends on it: never worth failing over
+        log.warning("no rendezvous node id from %s (%s: %s): lost nodes will leave the "
+                    "rendezvous when their heartbeats expire", type(handler).__name__,
+                    type(exc).__name__, exc)
+        return ""
 
 
 def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str]) -> list[str]:
@@ -55,14 +61,14 @@ def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str]) -> list[
     wanted = {n for n in node_ids if n}
     if not wanted:
         return []
-    own = getattr(handler, "forget_nodes", None)
-    if callable(own):
-        return list(own(wanted))
-    holder = getattr(handler, "_state_holder", None)
-    if holder is None or not hasattr(holder, "_sanitize"):
-        return []
-    lock = getattr(handler, "_heartbeat_lock", None)  # torch's heartbeat thread shares holder
     try:
+        own = getattr(handler, "forget_nodes", None)
+        if callable(own):
+            return list(own(wanted))
+        holder = getattr(handler, "_state_holder", None)
+        if holder is None or not hasattr(holder, "_sanitize"):
+            return []
+        lock = getattr(handler, "_heartbeat_lock", None)  # the heartbeat thread shares it
         if lock is None:
             return _forget(holder, wanted)
         with lock:
@@ -78,7 +84,9 @@ def _forget(holder: Any, wanted: set[str]) -> list[str]:
     holder.sync()
     for _ in range(FORGET_ATTEMPTS):
         state = holder.state
-        found = [node for node in state.last_heartbeats if repr(node) in wanted]
+        # Participants only: a node on the wait list is alive (its join op beats for it),
+        # e.g. a member that took torch's restart path instead of answering the call.
+        found = [node for node in state.participants if repr(node) in wanted]
         if not found:
             return []
         for node in found:
@@ -89,6 +97,9 @@ def _forget(holder: Any, wanted: set[str]) -> list[str]:
             removed = sorted(repr(n) for n in found if n not in holder.state.last_heartbeats)
             if removed:
                 log.info("removed the lost node(s) %s from the rendezvous", removed)
+            else:  # e.g. right after an etcd outage, when no heartbeat is judged
+                log.info("the lost node(s) %s leave the rendezvous when their heartbeats "
+                         "are judged again", sorted(repr(n) for n in found))
             return removed
         # another node changed the state first: sync() read its version; try on that
     log.warning("could not remove the lost node(s) %s from the rendezvous in %d attempts: "

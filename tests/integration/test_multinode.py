@@ -408,7 +408,7 @@ def test_c10d_loses_a_node_and_grows_back_in_place_scaling_the_lr(tmp_path: Path
     run_dir = tmp_path / "run"
     measured = lose_a_node_and_add_one(run_dir, c10d_node(tmp_path, free_port(), JOB,
                                                           SLOW_EXPIRY), victim="store-client")
-    assert measured.grow < EXPIRY, measured
+    assert measured.grow < EXPIRY / 2, measured  # 3.8 s here; waiting for it: about EXPIRY
     events = check_the_log(run_dir)
     assert_scaled_lr(events)
     names = [e["event"] for e in events]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from elastic_train.config import JobConfig, MetricsConfig
 from elastic_train.env import WorkerEnv, read_worker_env
@@ -133,7 +133,11 @@ def test_a_worker_moved_to_another_rank_serves_its_series_under_that_rank() -> N
     assert value(registry, "elastic_train_steps_total", rank="1") == 2
     assert value(registry, "elastic_train_step_duration_seconds_count", rank="1") == 2
     assert value(registry, "elastic_train_step", rank="1") == 2
+    assert value(registry, "elastic_train_world_size", rank="1") == 2
     assert registry.get_sample_value("process_open_fds") is not None  # unlabelled: as it was
+    # /metrics?name[]=... (a registry restricted to some names) still finds the series
+    only = generate_latest(registry.restricted_registry(["elastic_train_steps_total"])).decode()
+    assert 'elastic_train_steps_total{node="n",rank="1",run_id="r"} 2.0' in only
 
 
 def test_records_without_optional_fields_are_fine() -> None:

@@ -109,6 +109,8 @@ def _lose_b_then_join_c(make: Callable[[], Any], forget: bool) -> list[Any]:
     while a.num_nodes_waiting() == 0:  # what a's agent watches for
         assert time.monotonic() < deadline, "the new node never showed up as waiting"
         time.sleep(0.05)
+    if forget:  # a node waiting to join is alive: never removed, also when asked to
+        assert forget_nodes(a, [rendezvous_node_id(c)]) == [] and a.num_nodes_waiting() == 1
     again = _all_rendezvous(a)
     waiting.join(JOIN_SECONDS + 10)
     return [*again, *joined]
