@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import json
 import logging
+import socket
 import threading
 import weakref
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train import state_wire
 from elastic_train.env import WorkerEnv
 from elastic_train.errors import DistributedError
+from elastic_train.network import advertised_loopback
 
 log = logging.getLogger(__name__)
 
@@ -382,11 +384,26 @@ def init_group(env: WorkerEnv, backend: str, timeout_seconds: float,
         # The failed group still counted itself: the next one would take its store keys
         # under another index than a worker starting afresh, and never meet it.
         dist.distributed_c10d._world.group_count = 0
-        raise DistributedError(
-            f"rank {env.rank} could not join the process group at {where} "
-            f"({str(exc).splitlines()[0]}): check that every worker reaches that address, or "
-            "raise --collective-timeout") from exc
+        raise DistributedError(_join_failure_line(env, where, str(exc))) from exc
     return Group(env.rank, env.world_size, chosen, device)
+
+
+def _join_failure_line(env: WorkerEnv, where: str, error: str) -> str:
+    """The line for a process group this worker could not join: whom it could not reach.
+    A peer that advertised a loopback address (its host name resolves to loopback) is
+    named as such, with the fix."""
+    first = error.splitlines()[0] if error else "no detail"
+    loopback = advertised_loopback(error)
+    if loopback is not None:
+        return (f"rank {env.rank} on {socket.gethostname()} could not connect to a peer "
+                f"that advertised the loopback address {loopback} (its host name resolves to "
+                f"loopback), forming the group at {where}: run the job with --local-addr "
+                "set to each host's IP address, or set GLOO_SOCKET_IFNAME "
+                f"(NCCL_SOCKET_IFNAME on GPUs) to the interface the nodes share ({first})")
+    return (f"rank {env.rank} on {socket.gethostname()} could not join the process group at "
+            f"{where} ({first}): check that every worker reaches that address and that "
+            "each advertises one the others reach (GLOO_SOCKET_IFNAME), or raise "
+            "--collective-timeout")
 
 
 def barrier(group: Group) -> None:

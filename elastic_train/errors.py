@@ -129,3 +129,8 @@ class RendezvousUnavailableError(ElasticTrainError):
 class LiveRecoveryError(DistributedError):
     """The world could not re-form in place (no worker holds the state, a member did not
     come back in time): the worker fails, and the agent's restart path takes over."""
+
+
+class NetworkConfigError(ConfigError):
+    """The workers of a job across hosts would advertise an address other hosts cannot
+    reach (network.py): refused before any worker starts."""

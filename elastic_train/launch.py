@@ -274,9 +274,33 @@ def main(argv: Sequence[str]) -> int:
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    try:
+        name_worker_interface(ns)
+    except ElasticTrainError as exc:
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     # The workers' server imports torch while this process does (see worker_start).
     with worker_processes(ns.worker_start, ns.nproc_per_node):
         return _checked_launch(ns, cmd, job_args, config)
+
+
+def name_worker_interface(ns: argparse.Namespace) -> None:
+    """For a job that may span hosts, name the interface the workers advertise to their
+    peers (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, each unless set; network.py)
+    before the workers' server inherits the environment. Raises ``NetworkConfigError``
+    when they would advertise a loopback address to other hosts."""
+    from elastic_train.agent_env import apply_environment_defaults
+    from elastic_train.network import socket_ifname_defaults
+    from elastic_train.rendezvous.config import single_node
+
+    endpoint = ns.rdzv_endpoint.split(",")[0].split("://")[-1]
+    host = endpoint.rpartition(":")[0] if ":" in endpoint else endpoint
+    defaults = socket_ifname_defaults(not single_node(ns.nnodes), ns.local_addr, host or None,
+                                      os.environ)
+    if defaults:
+        log.info("workers advertise interface %s to their peers (%s)",
+                 next(iter(defaults.values())), ", ".join(defaults))
+    apply_environment_defaults(defaults)
 
 
 def _run_script(parser: argparse.ArgumentParser, options: list[str], script: list[str]
@@ -291,6 +315,11 @@ def _run_script(parser: argparse.ArgumentParser, options: list[str], script: lis
               "Python file (or job options, e.g. --task, for the built-in trainer)",
               file=sys.stderr)
         return 2
+    try:
+        name_worker_interface(ns)
+    except ElasticTrainError as exc:
+        print(f"elastic-train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     with worker_processes(ns.worker_start, ns.nproc_per_node):
         return _checked_launch(ns, torchrun_argv(ns, [], script), [], None, script)
 

@@ -357,14 +357,22 @@ class LiveRecoveryAgent(LocalElasticAgent):
             host = worker_group.spec.local_addr or socket.getfqdn()
         self.address = f"{host}:{self._node_store.port}"
         if hasattr(self._node_store, "queue_pop"):
+            # its own client, where the store listens (only on --local-addr across hosts)
             self._waker = threading.Thread(target=self._wait_for_calls, args=(
-                self._node_store.port,), name="live-agent-wake", daemon=True)
+                self.listen_host or "127.0.0.1", self._node_store.port),
+                name="live-agent-wake", daemon=True)
             self._waker.start()
 
-    def _wait_for_calls(self, port: int) -> None:
-        """Wake the monitor loop whenever something is pushed to ``WAKE_KEY``."""
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(days=7))
+    def _wait_for_calls(self, host: str, port: int) -> None:
+        """Wake the monitor loop whenever something is pushed to ``WAKE_KEY``. Should this
+        thread end early (it cannot reach the store), the loop looks at every check."""
+        try:
+            client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(days=7))
+        except (RuntimeError, OSError) as exc:
+            log.warning("the agent cannot watch its own store at %s:%d (%s): it looks for "
+                        "calls every --monitor-interval instead", host, port, exc)
+            return
         while True:
             try:
                 item = client.queue_pop(WAKE_KEY, block=True)
@@ -525,7 +533,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         failed, _ = workers.poll_failed()
         store = self._store_of_workers(worker_group)
         # Calls and reports wake this loop; without store queues (torch < 2.6) look each time.
-        look = woken or self._waker is None
+        look = woken or self._waker is None or not self._waker.is_alive()
         notice = self._notice() if look else None
         reported = look and self._reported_failure(store)
         if not (failed or notice or reported):
