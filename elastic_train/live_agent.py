@@ -43,6 +43,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -64,6 +65,7 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 from elastic_train.distributed import store_prefix
 from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
 from elastic_train.exit_watch import ExitWatch
+from elastic_train.failure_detector import Peer, PeerHeartbeats
 from elastic_train.hot_spare import assign, spare_delay, spare_env
 from elastic_train.live_peers import (
     NOTICE_KEY,
@@ -77,7 +79,7 @@ from elastic_train.live_peers import (
     plan_key,
     take_over,
 )
-from elastic_train.live_plan import Arrival, Plan, plan_reformation, plan_round
+from elastic_train.live_plan import LIVE, Arrival, Plan, plan_reformation, plan_round
 from elastic_train.live_recovery import (
     FAILED_COLLECTIVE_KEY,
     FINISHED_KEY,
@@ -107,6 +109,8 @@ REFORM_ATTEMPTS = 3
 STOCK_ROUND = b"stock"
 """The round's plan when some agent of it is not ours: every worker starts the torch way."""
 WAKER_STOP = b"stop"
+UNCOMMITTED = b"uncommitted"
+"""A coordinator's outcome when it could not reach the rendezvous' store to commit."""
 SPARE_ENDS = 2
 """Spares that may end on their own before the agent stops making them."""
 SPARE_DISMISS_SECONDS = 2.0
@@ -249,6 +253,13 @@ class PerWorkerProcesses:
                 return None
             time.sleep(period)
 
+    def end_now(self) -> None:
+        """SIGKILL every worker (not the spare): a world that went on without them
+        superseded their state, and they may wait in one of its collectives, where a
+        SIGTERM would wait out the preemption budget. The restart path starts them anew."""
+        for ctx in self._running.values():
+            ctx.close(signal.SIGKILL, 5)
+
     def close(self, death_sig: Any = None, timeout: int = 30) -> None:
         """Stop the workers, then the spare. The workers first: a SIGTERM (a preemption)
         must reach them at once, and a second signal that interrupts this must not leave
@@ -331,6 +342,16 @@ class LiveRecoveryAgent(LocalElasticAgent):
         self._wake = threading.Event()
         self._waker: threading.Thread | None = None
         self._exits = ExitWatch(self._wake)  # a worker's death wakes the loop at once too
+        self._heartbeats: PeerHeartbeats | None = None
+        """The failure detector (failure_detector.py): a silent peer wakes the loop too."""
+        self.beat = ""
+        """Where this agent answers the failure detector's pings (HOST:PORT)."""
+        self._silenced: set[str] = set()
+        """Peers the detector suspected since this agent adopted its plan, kept even if they
+        answer again: the loop may have been blocked meanwhile (torch's c10d handler waits
+        on a store that the cut-off side cannot reach), and a peer that fell silent may
+        have re-formed the world without this node, whose workers then wait in a
+        collective of the old one. A false suspicion costs a re-formation, no more."""
 
     # ---- whether and where -----------------------------------------------------------------
     def _live_possible(self, worker_group: WorkerGroup) -> str | None:
@@ -356,12 +377,29 @@ class LiveRecoveryAgent(LocalElasticAgent):
                                              is_master=True, **options)
             host = worker_group.spec.local_addr or socket.getfqdn()
         self.address = f"{host}:{self._node_store.port}"
+        self._heartbeats = PeerHeartbeats(self.listen_host or "0.0.0.0",
+                                          on_suspect=self._on_silent)
+        self.beat = self._heartbeats.beat_address(host)
         if hasattr(self._node_store, "queue_pop"):
             # its own client, where the store listens (only on --local-addr across hosts)
             self._waker = threading.Thread(target=self._wait_for_calls, args=(
                 self.listen_host or "127.0.0.1", self._node_store.port),
                 name="live-agent-wake", daemon=True)
             self._waker.start()
+
+    def _on_silent(self, agents: set[str]) -> None:
+        """The failure detector's call (its thread): peers fell silent; the loop acts."""
+        log.warning("no answer from the agent(s) %s for %.1f s (failure detector): the world "
+                    "re-forms without them", ", ".join(sorted(agents)),
+                    self._heartbeats.timeout if self._heartbeats else 0.0)
+        self._silenced |= agents
+        self._wake.set()
+
+    def _silent_members(self) -> set[str]:
+        """Members of the current generation the failure detector suspects now."""
+        if self._heartbeats is None or self._plan is None:
+            return set()
+        return (self._heartbeats.suspects() | self._silenced) & set(self._plan.agents)
 
     def _wait_for_calls(self, host: str, port: int) -> None:
         """Wake the monitor loop whenever something is pushed to ``WAKE_KEY``. Should this
@@ -387,6 +425,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
             return super().run(role)
         finally:
             self._exits.close()
+            if self._heartbeats is not None:
+                self._heartbeats.close()
             # While the store still runs: a thread left blocked in the store's client would
             # end inside C++ when the interpreter finalizes.
             if self._waker is not None and self._node_store is not None:
@@ -498,6 +538,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
         workers = self._pcontext if isinstance(self._pcontext, PerWorkerProcesses) else None
         if not keep or workers is None:
             if workers is not None:
+                if plan.kind == LIVE:  # others hold the state: these workers' is stale
+                    workers.end_now()
                 workers.close()
             self._adopt(worker_group, plan, raw)
             self._announce(worker_group, plan, "start")
@@ -536,7 +578,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
         look = woken or self._waker is None or not self._waker.is_alive()
         notice = self._notice() if look else None
         reported = look and self._reported_failure(store)
-        if not (failed or notice or reported):
+        silent = self._silent_members()
+        if not (failed or notice or reported or silent):
             if workers.wants_spare() and store.check([READY_KEY]) \
                     and not store.check([FINISHED_KEY]):
                 workers.start_spare()
@@ -550,7 +593,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
             self._release_workers(worker_group)
             return super()._monitor_workers(worker_group) if failed \
                 else RunResult(state=WorkerState.UNHEALTHY)
-        if self._reform(worker_group, workers, failed, notice):
+        if self._reform(worker_group, workers, failed, notice, silent):
             return RunResult(state=WorkerState.HEALTHY)
         return RunResult(state=WorkerState.UNHEALTHY, failures={
             worker_group.workers[lr].global_rank: failure for lr, failure in failed.items()})
@@ -597,12 +640,16 @@ class LiveRecoveryAgent(LocalElasticAgent):
         return raw is not None and int(json.loads(raw)["generation"]) >= self._plan.generation
 
     def _reform(self, worker_group: WorkerGroup, workers: PerWorkerProcesses,
-                failed: Mapping[int, Any], notice: Notice | None) -> bool:
-        """Re-form the world without what was lost; False: this node must take torch's
-        restart path (no one holds the state, or the others went on without it)."""
+                failed: Mapping[int, Any], notice: Notice | None,
+                silent: set[str] | frozenset[str] = frozenset()) -> bool:
+        """Re-form the world without what was lost (``silent``: members the failure
+        detector suspects, neither called nor waited for); False: this node must take
+        torch's restart path (no one holds the state, or the others went on without it)."""
         assert self._plan is not None
         detected_at = time.time()
         base = self._plan
+        if notice is not None and notice.coordinator in silent:
+            notice = None  # a silent coordinator's call: this agent coordinates instead
         if notice is not None:
             coordinator, generation = notice.coordinator, notice.generation
             self._noticed = generation
@@ -623,11 +670,13 @@ class LiveRecoveryAgent(LocalElasticAgent):
         for _ in range(REFORM_ATTEMPTS):
             if coordinator == self.address:
                 outcome = self._coordinate(worker_group, base, generation, arrival,
-                                           detected_at)
+                                           detected_at, silent)
             else:
                 outcome = self._follow(coordinator, generation, arrival)
             if isinstance(outcome, tuple):
                 plan, raw = outcome
+                break
+            if outcome == UNCOMMITTED:
                 break
             if outcome == RESTART:  # no member holds the state
                 self._release_workers(worker_group)
@@ -635,9 +684,10 @@ class LiveRecoveryAgent(LocalElasticAgent):
             # the coordinator is gone: this agent coordinates the next generation
             coordinator, generation = self.address, generation + 1
         if plan is None or raw is None or self.address not in plan.agents:
-            log.warning("the others re-formed the world without this node: it restarts "
-                        "its workers and joins again")
+            log.warning("the others re-formed the world without this node: it ends its "
+                        "workers (their state is superseded) and joins again")
             self._release_workers(worker_group)
+            workers.end_now()
             return False
         self._adopt(worker_group, plan, raw)
         self._announce(worker_group, plan, "abort")
@@ -649,14 +699,15 @@ class LiveRecoveryAgent(LocalElasticAgent):
         return True
 
     def _coordinate(self, worker_group: WorkerGroup, base: Plan, generation: int,
-                    arrival: Arrival, detected_at: float
+                    arrival: Arrival, detected_at: float,
+                    silent: set[str] | frozenset[str] = frozenset()
                     ) -> tuple[Plan, bytes] | bytes | None:
-        """Call the members of ``base`` to generation ``generation``, take those that come
-        within ``ARRIVE_SECONDS`` (an agent that died refuses the call at once), commit the
-        plan. RESTART when none holds the state; None when another coordinator's call came
-        first and it is gone."""
+        """Call the members of ``base`` to generation ``generation`` (not the ``silent``
+        ones: they are lost), take those that come within ``ARRIVE_SECONDS`` (an agent that
+        died refuses the call at once), commit the plan. RESTART when none holds the state;
+        None when another coordinator's call came first and it is gone."""
         assert self._node_store is not None
-        peers = [a for a in base.agents if a != self.address]
+        peers = [a for a in base.agents if a != self.address and a not in silent]
         called = self._peers.tell_all(peers, NOTICE_KEY,
                                       Notice(generation, self.address).encode())
         arrivals = {self.address: arrival}
@@ -680,7 +731,14 @@ class LiveRecoveryAgent(LocalElasticAgent):
         if plan is None:
             self._node_store.set(plan_key(generation), RESTART)
             return RESTART
-        raw = self._commit(worker_group, plan.encode())
+        try:
+            raw = self._commit(worker_group, plan.encode())
+        except Exception as exc:  # the rendezvous' store unreachable: cut off from it
+            log.warning("could not commit generation %d (%s: %s): this node may be cut off "
+                        "from the others; it restarts its workers and joins again",
+                        generation, type(exc).__name__, str(exc).splitlines()[0][:200])
+            self._node_store.set(plan_key(generation), RESTART)
+            return UNCOMMITTED
         self._node_store.set(plan_key(generation), raw)
         return Plan.decode(raw), raw
 
@@ -704,6 +762,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
     def _adopt(self, worker_group: WorkerGroup, plan: Plan, raw: bytes) -> None:
         """Take ``plan`` as this agent's generation: torch's view of the workers follows."""
         self._plan, self._plan_raw = plan, raw
+        self._silenced = set()
+        if self._heartbeats is not None:
+            self._heartbeats.watch(self.address, [Peer(m.agent, m.beat) for m in plan.members])
         ranks = plan.ranks(self.address)
         for worker in worker_group.workers:
             worker.global_rank = worker.role_rank = ranks[worker.local_rank]
@@ -731,11 +792,12 @@ class LiveRecoveryAgent(LocalElasticAgent):
         plan = self._plan
         node = rendezvous_node_id(worker_group.spec.rdzv_handler)
         if plan is None or self.address not in plan.agents:
-            return Arrival(self.address, worker_group.spec.local_world_size, rdzv_node=node)
+            return Arrival(self.address, worker_group.spec.local_world_size, rdzv_node=node,
+                           beat=self.beat)
         first = plan.first_rank(self.address)
         return Arrival(self.address, worker_group.spec.local_world_size, alive, first,
                        plan.generation, plan.world_size, writer=first == 0 and 0 in alive,
-                       rdzv_node=node)
+                       rdzv_node=node, beat=self.beat)
 
     def _holding(self) -> tuple[int, ...]:
         """Local ranks whose workers hold the state now (run, restored, in the loop)."""

@@ -23,6 +23,7 @@ it when they exchange the state (runtime.WorkerRuntime.share_state).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,7 +42,9 @@ class Arrival:
     rank of its local rank 0 in the generation it was in (None: it was in none);
     ``generation``: the newest generation it knows (-1: none) and ``world_size`` that
     generation's; ``writer``: its worker that was rank 0 (the checkpoint writer) is alive;
-    ``rdzv_node``: its node in the rendezvous (rendezvous/forget.py; "": none known).
+    ``rdzv_node``: its node in the rendezvous (rendezvous/forget.py; "": none known);
+    ``beat``: HOST:PORT where its agent answers the failure detector's pings
+    (failure_detector.py; "": it does not).
     """
 
     agent: str
@@ -52,6 +55,7 @@ class Arrival:
     world_size: int | None = None
     writer: bool = False
     rdzv_node: str = ""
+    beat: str = ""
 
     @property
     def holds_state(self) -> bool:
@@ -66,17 +70,19 @@ class Arrival:
         return cls(str(raw["agent"]), int(raw["workers"]), tuple(raw.get("alive", ())),
                    raw.get("first_rank"), int(raw.get("generation", -1)),
                    raw.get("world_size"), bool(raw.get("writer", False)),
-                   str(raw.get("rdzv_node", "")))
+                   str(raw.get("rdzv_node", "")), str(raw.get("beat", "")))
 
 
 @dataclass(frozen=True)
 class Member:
-    """One agent of a generation: its id, how many workers it runs, and its node in the
-    rendezvous (so that the others can remove it from there once it is lost)."""
+    """One agent of a generation: its id, how many workers it runs, its node in the
+    rendezvous (so that the others can remove it from there once it is lost) and where it
+    answers the failure detector (so that the others notice when it falls silent)."""
 
     agent: str
     workers: int
     rdzv_node: str = ""
+    beat: str = ""
 
 
 @dataclass(frozen=True)
@@ -151,8 +157,8 @@ class Plan:
         raw = json.loads(data)
         return cls(
             generation=int(raw["generation"]), kind=str(raw["kind"]),
-            members=tuple(Member(str(m["agent"]), int(m["workers"]), str(m.get("rdzv_node", "")))
-                          for m in raw["members"]),
+            members=tuple(Member(str(m["agent"]), int(m["workers"]), str(m.get("rdzv_node", "")),
+                                 str(m.get("beat", ""))) for m in raw["members"]),
             group_store=str(raw["group_store"]), cause=str(raw["cause"]),
             lost=tuple(raw.get("lost", ())), failed_ranks=tuple(raw.get("failed_ranks", ())),
             previous_world_size=raw.get("previous_world_size"),
@@ -173,17 +179,28 @@ def _kept(arrivals: Iterable[Arrival]) -> dict[str, tuple[int, ...]]:
     return {a.agent: tuple(a.alive) for a in arrivals if a.alive}
 
 
+def _without_stale_holders(arrivals: Sequence[Arrival]) -> list[Arrival]:
+    """``arrivals``, where workers that hold the state of an older generation than the
+    newest held count as holding nothing: their world moved on without them (a node cut
+    off or frozen while the others re-formed), so their state is stale, and their workers
+    may still wait in a collective of that world. They start again and receive the state."""
+    newest = max((a.generation for a in arrivals if a.holds_state), default=-1)
+    return [dataclasses.replace(a, alive=(), writer=False)
+            if a.holds_state and a.generation < newest else a for a in arrivals]
+
+
 def plan_round(arrivals: Sequence[Arrival], group_store: str, *, detected_at: float | None = None
                ) -> Plan:
     """The first generation of a rendezvous round; ``arrivals`` in the round's rank order.
 
     ``live`` when some agent holds the state: its workers go on, every other worker starts
-    without it and receives it. ``fresh`` when none does. The generation is one past the
+    without it and receives it (workers holding an older generation's state start again
+    too); ``fresh`` when none does. The generation is one past the
     newest any agent knows.
     """
     generation = max((a.generation for a in arrivals), default=-1) + 1
-    ordered = _in_rank_order(arrivals)
-    members = tuple(Member(a.agent, a.workers, a.rdzv_node) for a in ordered)
+    ordered = _in_rank_order(_without_stale_holders(arrivals))
+    members = tuple(Member(a.agent, a.workers, a.rdzv_node, a.beat) for a in ordered)
     holders = [a for a in ordered if a.holds_state]
     if not holders:
         return Plan(generation, FRESH, members, group_store, "start",

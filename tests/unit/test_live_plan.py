@@ -105,6 +105,28 @@ def test_no_holder_left_means_the_checkpoint() -> None:
     assert plan_reformation(before, {B: holder(B, 1, before, alive=())}, B) is None
 
 
+def test_a_node_back_from_a_partition_holds_a_stale_state_and_starts_again() -> None:
+    # B was cut off (or frozen) while A re-formed the world without it as generation 5; B
+    # still holds generation 4's state, and its workers may wait in one of its collectives.
+    before = world_of((A, 1), (B, 1))
+    alone = plan_reformation(before, {A: holder(A, 1, before)}, A)
+    assert alone is not None and alone.generation == 5
+    plan = plan_round([holder(B, 1, before), holder(A, 1, alone)], B)
+    assert plan.kind == LIVE and plan.generation == 6 and plan.cause == "node joined"
+    assert plan.keeps(A) == (0,) and plan.keeps(B) == ()
+    assert plan.agents == (A, B) and plan.started == 1
+    assert not plan.claim_epoch  # A's worker is the writer of the newest world
+    assert not plan.same_world(alone)
+
+
+def test_members_carry_where_their_agent_answers_the_failure_detector() -> None:
+    plan = plan_round([Arrival(A, 1, beat="host-a:7"), Arrival(B, 1, beat="host-b:8")], A)
+    assert [m.beat for m in plan.members] == ["host-a:7", "host-b:8"]
+    after = plan_reformation(plan, {A: Arrival(A, 1, (0,), 0, 0, 2, beat="host-a:7")}, A)
+    assert after is not None and after.members == (Member(A, 1, "", "host-a:7"),)
+    assert Plan.decode(after.encode()) == after
+
+
 def test_plans_and_arrivals_survive_their_encoding() -> None:
     before = world_of((A, 2), (B, 1))
     plan = plan_reformation(before, {A: holder(A, 2, before)}, A, detected_at=1.5)
