@@ -508,7 +508,7 @@ def _recovery_line(failure: Failure, before: int, after: int, generation: int,
     """What rank 0 says about a live recovery."""
     state = (f"at step {rejoined.step}: {rejoined.bytes} bytes of state sent, "
              f"{rejoined.steps_redone} step redone")
-    ranks = ", ".join(map(str, failure.ranks)) or "?"
+    ranks = ", ".join(map(str, failure.ranks))
     if failure.cause == "node joined":
         return (f"live recovery: a node joined, the world grew in place from {before} to "
                 f"{after} workers (generation {generation}) {state}")
@@ -516,5 +516,9 @@ def _recovery_line(failure: Failure, before: int, after: int, generation: int,
         return (f"live recovery: {failure.lost_nodes} node(s) lost (ranks {ranks}), the "
                 f"world re-formed in place from {before} to {after} workers (generation "
                 f"{generation}) {state}")
-    return (f"live recovery: rank {ranks} started again, the world of {after} re-formed in "
-            f"place (generation {generation}) {state}")
+    if failure.ranks:
+        return (f"live recovery: rank {ranks} started again, the world of {after} re-formed "
+                f"in place (generation {generation}) {state}")
+    change = f"from {before} to {after} workers" if before != after else f"of {after}"
+    return (f"live recovery: the world {change} re-formed in place "
+            f"({failure.cause or 'new round'}, generation {generation}) {state}")
