@@ -20,11 +20,16 @@ import contextlib
 import json
 import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
+
+from elastic_train.process_exit import left_in_c
+
+T = TypeVar("T")
 
 PREFIX = "elastic_train/agents"
 NOTICE_KEY = f"{PREFIX}/notice"
@@ -98,8 +103,11 @@ class PeerStores:
         if not reachable(address):
             raise ConnectionError(f"no agent answers at {address}")
         host, port = split_address(address)
+        # Connect within PROBE_SECONDS: an agent dying just now may have accepted the probe
+        # and refuse the store's own connection, which torch retries until the timeout.
         made = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=self.timeout))
+                             timeout=timedelta(seconds=PROBE_SECONDS))
+        made.set_timeout(timedelta(seconds=self.timeout))
         with self._lock:
             self._clients.setdefault(address, made)
             return self._clients[address]
@@ -110,13 +118,17 @@ class PeerStores:
 
     def tell(self, address: str, key: str, value: str | bytes) -> bool:
         """Set ``key`` in the store at ``address`` and wake that agent; False when that
-        agent is gone."""
-        try:
+        agent is gone, or silent for ``2 * PROBE_SECONDS``."""
+
+        def call() -> None:
             client = self.client(address)
             client.set(key, value)
             wake(client)
+
+        try:
+            bounded(call, 2 * PROBE_SECONDS)
             return True
-        except (ConnectionError, RuntimeError, OSError):
+        except (ConnectionError, RuntimeError, OSError, TimeoutError):
             self.forget(address)
             return False
 
@@ -134,19 +146,48 @@ class PeerStores:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(PROBE_SECONDS + self.timeout)
-        return told
+            t.join(2 * PROBE_SECONDS + 1.0)
+        with lock:
+            return set(told)
 
     def read(self, address: str, key: str, timeout: float) -> bytes | None:
         """The value of ``key`` at ``address`` once it is set (None: not within ``timeout``,
         or that agent is gone)."""
-        try:
+        def call() -> bytes:
             client = self.client(address)
             client.wait([key], timedelta(seconds=timeout))
-            return client.get(key)
-        except (ConnectionError, RuntimeError, OSError):
+            return bytes(client.get(key))
+
+        try:
+            return bounded(call, timeout + PROBE_SECONDS)
+        except (ConnectionError, RuntimeError, OSError, TimeoutError):
             self.forget(address)
             return None
+
+
+def bounded(call: Callable[[], T], seconds: float) -> T:
+    """``call()``'s result, or ``TimeoutError`` after ``seconds``. torch's TCPStore client
+    waits without bound for the answer of a server that accepted the connection but is
+    silent (its process frozen, its host cut off after the connection was made); such a
+    call is left behind in a daemon thread, and the caller goes on."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # handed to the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="peer-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        left_in_c(thread)
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def wake(store: dist.Store) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_train.live_peers import (
+    PROBE_SECONDS,
     PeerStores,
     commit_plan,
     local_value,
@@ -184,3 +185,31 @@ def test_a_dead_agent_refuses_at_once_and_a_live_one_takes_the_call() -> None:
     assert peers.read(address, "never", timeout=0.2) is None
     with pytest.raises(ConnectionError, match="no agent answers"):
         peers.client(dead)
+
+
+SILENT_AGENT_CALL = """
+import socket, sys, time
+from elastic_train.live_peers import PeerStores
+from elastic_train.process_exit import exit_process
+silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel), never answers
+start = time.monotonic()
+told = PeerStores(timeout=15).tell(f"127.0.0.1:{silent.getsockname()[1]}", "k", "v")
+print(told, round(time.monotonic() - start, 1), flush=True)
+exit_process(3)
+"""
+
+
+def test_a_silent_agent_costs_a_bounded_call_and_the_caller_still_exits_cleanly() -> None:
+    """A frozen agent's host accepts the connection but its store never answers: torch's
+    client would wait without bound. The call gives up within 2 x PROBE_SECONDS, and the
+    process, with a thread left inside torch's client, still exits with its own code
+    instead of aborting at shutdown."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SILENT_AGENT_CALL], capture_output=True,
+                          text=True, timeout=60)
+    told, seconds = done.stdout.split()
+    assert told == "False" and float(seconds) <= 2 * PROBE_SECONDS + 1.0
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
