@@ -152,6 +152,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _stamp_lines(source: Any, log: Path) -> None:
+    """Copy ``source``'s lines to ``log`` as ``<time.time()> <line>`` until EOF."""
+    with source, open(log, "ab", buffering=0) as out:
+        for line in source:
+            out.write(b"%.6f " % time.time() + line)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -246,17 +253,26 @@ class Host:
                 'hostname "$0" && exec "$@"', self.name, *argv]
 
     def popen(self, argv: Sequence[str], env: dict[str, str] | None = None,
-              log: Path | None = None, cwd: Path | None = None) -> subprocess.Popen[bytes]:
+              log: Path | None = None, cwd: Path | None = None, timestamps: bool = False
+              ) -> subprocess.Popen[bytes]:
         """Start ``argv`` on this host in a process group of its own, stdout and stderr
-        appended to ``log`` (default: ``<bed dir>/<host>-<n>.log``). The process gets
-        SIGKILL when the thread that called this dies; ``kill()`` and teardown end it."""
+        appended to ``log`` (default: ``<bed dir>/<host>-<n>.log``). ``timestamps``: each
+        line is written as ``<time.time()> <line>``, stamped when it arrived (a thread of
+        this process reads the output; set PYTHONUNBUFFERED=1 for Python programs). The
+        process gets SIGKILL when the thread that called this dies; ``kill()`` and teardown
+        end it."""
         if log is None:
             log = self.bed.dir / f"{self.name}-{len(self.procs)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            proc = subprocess.Popen(self.argv(argv), stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(self.argv(argv), stdout=subprocess.PIPE if timestamps
+                                    else out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, cwd=cwd,
                                     start_new_session=True, preexec_fn=_die_with_parent)
+        if timestamps:
+            assert proc.stdout is not None
+            threading.Thread(target=_stamp_lines, args=(proc.stdout, log),
+                             name=f"log-{self.name}", daemon=True).start()
         self.procs.append(proc)
         return proc
 
