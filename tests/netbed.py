@@ -319,9 +319,19 @@ class Host:
 
     # ------------------------------------------------------------ faults
 
+    def _kill_started(self) -> None:
+        """SIGKILL the process group of every process ``popen`` started that still runs:
+        one started a moment ago may not have entered the namespace yet (``ip netns pids``
+        misses it) and would enter it after the sweep. Unreaped, their pids are not reused."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
     def kill(self, timeout: float = 10.0) -> float:
         """SIGKILL every process of the host, until none is left; the time of the kill."""
         at = time.time()
+        self._kill_started()
         _signal_until(self.ns, signal.SIGKILL, lambda pids: not pids, f"kill {self.name}",
                       timeout)
         for proc in self.procs:
@@ -581,6 +591,8 @@ class Netbed:
             return
         self._closed = True
         errors = []
+        for host in self.hosts:
+            host._kill_started()
         for ns in reversed(self._namespaces):
             try:
                 _delete_namespace(ns)
