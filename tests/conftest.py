@@ -1,16 +1,18 @@
 """Shared fixtures: real etcd servers, started once per session when a test asks for one;
-and the guard that keeps tests from finding the venv's programs on PATH (tests/tools.py)."""
+the multi-host test bed (tests/netbed.py); and the guard that keeps tests from finding the
+venv's programs on PATH (tests/tools.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
+from tests import netbed as netbed_module
 from tests import tools
 from tests.etcd_server import EtcdServer
 
@@ -43,3 +45,28 @@ def etcd_v2() -> Iterator[EtcdServer]:
     server = EtcdServer.start(v2=True)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def netbed(tmp_path: Path) -> Iterator[Callable[..., netbed_module.Netbed]]:
+    """A factory of multi-host test beds (``Netbed.create``'s arguments; logs and etcd's data
+    under the test's tmp_path): every bed it made is torn down after the test, failed or
+    not. Skips where namespaces cannot be made (fails under CI=true)."""
+    beds: list[netbed_module.Netbed] = []
+
+    def make(names: Sequence[str] = ("node-a", "node-b"), etcd: bool = False,
+             loopback_name: bool = False) -> netbed_module.Netbed:
+        netbed_module.require()
+        bed = netbed_module.Netbed.create(names, etcd=etcd, loopback_name=loopback_name,
+                                          workdir=tmp_path / f"netbed-{len(beds)}")
+        beds.append(bed)
+        return bed
+
+    yield make
+    errors = []
+    for bed in reversed(beds):
+        try:
+            bed.close()
+        except netbed_module.NetbedError as error:
+            errors.append(error)
+    assert not errors, errors

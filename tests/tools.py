@@ -41,10 +41,13 @@ def scripts_dir() -> Path:
     return Path(sysconfig.get_path("scripts"))
 
 
-def _missing(message: str) -> None:
+def missing(message: str) -> None:
+    """Skip the calling test because something it needs is missing; fail under CI=true."""
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
+
+
 
 
 def installed_tool(name: str) -> str:
@@ -52,7 +55,7 @@ def installed_tool(name: str) -> str:
     assert name in INSTALLED_TOOLS, f"{name}: add it to INSTALLED_TOOLS"
     path = scripts_dir() / name
     if not os.access(path, os.X_OK):
-        _missing(f"{name} is not installed in {scripts_dir()}: run make setup "
+        missing(f"{name} is not installed in {scripts_dir()}: run make setup "
                  "(pip install -e '.[dev]')")
     return str(path)
 
@@ -63,7 +66,7 @@ def system_tool(name: str, message: str) -> str:
     assert name in SYSTEM_TOOLS, f"{name}: add it to SYSTEM_TOOLS"
     path = shutil.which(name)
     if path is None:
-        _missing(message)
+        missing(message)
     return str(path)
 
 
