@@ -1,109 +1,224 @@
 """Multi-node jobs across separate hosts (tests/netbed.py): each node in a network namespace
-of its own, with its own host name and address, etcd on a third host.
+of its own, with its own host name and address, etcd on a host of its own. A node there
+dies, freezes or loses its cable the way a machine does: a killed host's kernel still
+refuses and resets connections, but a frozen one or one whose cable is pulled says
+nothing at all, which agents on one host (tests/integration/test_multinode.py, now
+extended) never see.
 
-- Two nodes of the built-in job on etcd-v3 (the README's command across machines) train to
-  the end at world 2, each worker on its own host.
-- Hosts whose own name resolves to loopback (Debian's ``127.0.1.1 HOSTNAME`` line): with
-  ``GLOO_SOCKET_IFNAME`` naming the interface the job trains. Without it (what a new user
-  runs) the job must train or refuse at once with one line (issue 27): today every worker
-  fails to connect to ``127.0.1.1`` and the restarts are spent, so that test is an expected
-  failure until the product chooses the interface itself.
-- A node SIGKILLed (the whole host: agent and worker): the survivor goes on at world 1 and
-  finishes. Only the outcome is checked here; how fast is the benchmark's
-  (``benchmarks/node_recovery.py --hosts netns``) and issue 27's.
+- Hosts whose own name resolves to loopback (Debian's ``127.0.1.1 HOSTNAME``), nothing set
+  by the user: the job trains at world 2 (the launcher names the interface that reaches the
+  other nodes for gloo).
+- etcd-v3, the host holding rank 0 killed, a new host joining: the survivor re-forms in
+  place at once (the lost node's lease is 30 s here and is not what tells), takes over the
+  event log and the writer's epoch; the new host grows the world back in place.
+- etcd-v3, the writer's cable pulled, put back after the survivor committed a checkpoint:
+  the failure detector cuts it off in seconds (its lease is 30 s); the cut-off side
+  commits no plan and no checkpoint and trains no step of its old world once it is back;
+  it rejoins in place.
+- c10d (``--batch-policy scale-lr``), a node frozen (every process SIGSTOPped) and thawed:
+  the same, with the LR and global batch following the world.
+
+Every scenario checks, from the recorded sample ids, that each epoch used each sample
+exactly once in the sampler's order despite the resizes (a step redone counts once), and
+that the survivor's worker kept its process throughout.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from elastic_train.checkpoint.storage import MANIFEST
 from tests import netbed as nb
-from tests.integration import hosts
+from tests.integration import harness, hosts
 from tests.integration.hosts import EventLog
+from tests.integration.test_multinode import (
+    BATCH,
+    JOB,
+    TIMEOUT,
+    assert_scaled_lr,
+    check_the_log,
+    first_recovery,
+)
 
 pytestmark = pytest.mark.slow
 
 Factory = Callable[..., nb.Netbed]
-STEPS = 20
-JOB = ["--preset", "tiny", "--steps", str(STEPS), "--batch-size", "16", "--log-every", "1",
-       "--metrics-port", "0", "--collective-timeout", "30"]
-TIMEOUT = 90.0
+# The lease (etcd-v3) and the heartbeats (c10d) would tell only after 30 s: anything
+# sooner is the failure detector's or the failed collective's doing.
+SLOW_LEASE = "last_call_timeout=1,lease_ttl=30,join_timeout=60"
+SLOW_HEARTBEATS = "last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt=15," \
+    "join_timeout=60"
+NOT_BY_THE_LEASE = 15.0
+"""A loss seen sooner than this after the fault was not seen by a 30 s lease."""
 
 
-def two_nodes(bed: nb.Netbed, run_dir: Path, rdzv_id: str, job: list[str],
-              env: dict[str, str] | None = None) -> list[hosts.Node]:
-    return [hosts.start_node(host, run_dir, [*hosts.etcd_v3(bed, host, rdzv_id), *job],
-                             env=env)
-            for host in (bed.host("node-a"), bed.host("node-b"))]
+def survivor_pids(node: hosts.Node) -> set[int]:
+    return set(harness.workers_of(node.proc.pid).values())
 
 
-def assert_trained_at_world_2(run_dir: Path, nodes: list[hosts.Node]) -> None:
-    events = EventLog(run_dir).read()
-    steps = [e for e in events if e["event"] == "step"]
-    assert [e["step"] for e in steps] == list(range(1, STEPS + 1)), hosts.report(nodes)
-    assert {e["world_size"] for e in steps} == {2}
-    assert [e["nodes"] for e in events if e["event"] == "rendezvous"] == [2]
-
-
-def test_two_hosts_train_on_etcd_v3(netbed: Factory, tmp_path: Path) -> None:
-    bed = netbed(["node-a", "node-b"], etcd=True)
-    run_dir = tmp_path / "run"
-    nodes = two_nodes(bed, run_dir, "across", JOB)
-    # while it runs, each host holds its own agent and worker
-    hosts.wait_for_step(EventLog(run_dir), world=2, timeout=TIMEOUT, nodes=nodes)
-    assert all(len(host.pids()) >= 2 for host in bed.hosts[:2]), hosts.report(nodes)
-    assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
-    assert_trained_at_world_2(run_dir, nodes)
-
-
-def test_loopback_host_names_train_with_the_interface_named(netbed: Factory,
-                                                            tmp_path: Path) -> None:
-    bed = netbed(["node-a", "node-b"], etcd=True, loopback_name=True)
-    run_dir = tmp_path / "run"
-    nodes = two_nodes(bed, run_dir, "loopback-named", JOB,
-                      env={"GLOO_SOCKET_IFNAME": nb.IFNAME})
-    assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
-    assert_trained_at_world_2(run_dir, nodes)
-
-
-REFUSE_WITHIN = 10.0  # seconds from the launch (the issue's goal: 5 s after the imports)
-
-
-@pytest.mark.xfail(strict=True, reason="issue 27: on hosts whose name resolves to loopback "
-                   "gloo advertises 127.0.1.1 and every worker fails to connect")
-def test_loopback_host_names_train_or_refuse_at_once(netbed: Factory, tmp_path: Path) -> None:
-    bed = netbed(["node-a", "node-b"], etcd=True, loopback_name=True)
-    run_dir = tmp_path / "run"
-    started = time.monotonic()
-    nodes = two_nodes(bed, run_dir, "loopback", JOB)
-    codes = hosts.wait_all(nodes, TIMEOUT)
-    if codes == [0, 0]:
-        assert_trained_at_world_2(run_dir, nodes)
-        return
-    assert time.monotonic() - started < REFUSE_WITHIN, hosts.report(nodes)
+def writer_of(nodes: list[hosts.Node]) -> hosts.Node:
+    """The node whose worker is rank 0 (the checkpoint writer)."""
     for node in nodes:
-        assert "GLOO_SOCKET_IFNAME" in node.output().strip().splitlines()[-1], node.report()
+        if 0 in harness.workers_of(node.proc.pid):
+            return node
+    raise AssertionError("no node hosts rank 0:\n" + hosts.report(nodes))
 
 
-def test_a_killed_host_leaves_the_survivor_training_at_world_1(netbed: Factory,
-                                                               tmp_path: Path) -> None:
+def claims(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "writers").iterdir())]
+
+
+def test_loopback_host_names_train_without_any_setting(netbed: Factory, tmp_path: Path
+                                                       ) -> None:
+    bed = netbed(["node-a", "node-b"], etcd=True, loopback_name=True)
+    run_dir = tmp_path / "run"
+    job = ["--preset", "tiny", "--steps", "10", "--batch-size", "16", "--log-every", "1",
+           "--metrics-port", "0"]
+    nodes = [hosts.start_node(h, run_dir, [*hosts.etcd_v3(bed, h, "loopback"), *job])
+             for h in (bed.host("node-a"), bed.host("node-b"))]
+    assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
+    steps = EventLog(run_dir).steps()
+    assert [e["step"] for e in steps] == list(range(1, 11)), hosts.report(nodes)
+    assert {e["world_size"] for e in steps} == {2}
+
+
+def test_etcd_v3_a_killed_host_is_reformed_at_once_and_a_new_host_grows_it_back(
+        netbed: Factory, tmp_path: Path) -> None:
+    bed = netbed(["node-a", "node-b", "node-c"], etcd=True)
+    run_dir = tmp_path / "run"
+
+    def start(name: str) -> hosts.Node:
+        host = bed.host(name)
+        return hosts.start_node(host, run_dir, [
+            *hosts.etcd_v3(bed, host, "killed", conf=SLOW_LEASE), *JOB, "--metrics-port", "0"])
+
+    nodes = [start("node-a"), start("node-b")]
+    log = EventLog(run_dir)
+    try:
+        hosts.wait_for_step(log, world=2, min_step=12, timeout=TIMEOUT, nodes=nodes)
+        victim = writer_of(nodes)
+        survivor = nodes[1] if victim is nodes[0] else nodes[0]
+        before = survivor_pids(survivor)
+        assert victim.host is not None
+        killed_at = victim.host.kill()
+        shrunk = hosts.wait_for_world(log, 1, after=killed_at, timeout=TIMEOUT, nodes=nodes)
+        assert survivor_pids(survivor) == before
+        joined_at = time.time()
+        nodes.append(start("node-c"))
+        hosts.wait_for_world(log, 2, after=joined_at, timeout=TIMEOUT, nodes=nodes)
+        assert survivor_pids(survivor) == before
+        assert hosts.wait_all([survivor, nodes[2]], TIMEOUT) == [0, 0], hosts.report(nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+    assert shrunk["time"] - killed_at < NOT_BY_THE_LEASE, shrunk
+    events = check_the_log(run_dir)
+    assert {e["global_batch"] for e in events if e["event"] == "step"} == {BATCH}
+    names = [e["event"] for e in events]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names, names
+    shrink, grow = first_recovery(events, "node lost"), first_recovery(events, "node joined")
+    assert (shrink["kind"], shrink["lost_nodes"], shrink["world_size"]) == ("live", 1, 1)
+    assert shrink["steps_redone"] <= 1, shrink
+    assert (grow["kind"], grow["steps_redone"], grow["world_size"]) == ("live", 0, 2), grow
+    assert [c["resumed_from"] for c in claims(run_dir)] == [None, shrink["step"]]
+
+
+def assert_cut_off_side_committed_nothing(run_dir: Path, events: list[dict[str, Any]],
+                                          cut_off: dict[str, Any], back_at: float,
+                                          writer_cut_off: bool) -> None:
+    """The side that was cut off (and came back at ``back_at``) trained no step of its old
+    world once back; if it held the writer, every checkpoint past the cut was written by
+    the new writer (a new epoch)."""
+    reached = max(e["step"] for e in events if e["event"] == "step" and e["time"] < back_at)
+    stale = []
+    for path in (run_dir / "samples").glob("rank-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["time"] > back_at and record["step"] <= reached \
+                    and record["restart"] == 0 and record.get("generation", 0) <= \
+                    cut_off["generation"] - 1:
+                stale.append(record)
+    assert not stale, stale
+    for manifest in (run_dir / "checkpoints").glob(f"step-*/{MANIFEST}"):
+        record = json.loads(manifest.read_text())
+        if record["step"] > cut_off["step"]:
+            assert record["writer_epoch"] >= (2 if writer_cut_off else 1), record
+
+
+def test_etcd_v3_the_writers_cable_pulled_and_put_back(netbed: Factory, tmp_path: Path
+                                                       ) -> None:
     bed = netbed(["node-a", "node-b"], etcd=True)
     run_dir = tmp_path / "run"
-    steps = 100
-    job = [*JOB, "--steps", str(steps), "--checkpoint-every", "10"]
-    nodes = two_nodes(bed, run_dir, "killed", job)
+    nodes = [hosts.start_node(h, run_dir, [*hosts.etcd_v3(bed, h, "cable", conf=SLOW_LEASE),
+                                           *JOB, "--metrics-port", "0"])
+             for h in (bed.host("node-a"), bed.host("node-b"))]
     log = EventLog(run_dir)
-    hosts.wait_for_step(log, world=2, min_step=5, timeout=TIMEOUT, nodes=nodes)
-    killed_at = bed.host("node-b").kill()
-    shrunk = hosts.wait_for_world(log, 1, after=killed_at, timeout=TIMEOUT, nodes=nodes[:1])
-    assert hosts.wait_all(nodes[:1], TIMEOUT) == [0], hosts.report(nodes)
-    assert max(e["step"] for e in log.steps(world=1)) == steps
-    # the survivor's own output says when it stepped at world 1 (it holds rank 0 then)
-    first_alone = next(at for at, _, world in nodes[0].progress() if world == 1)
-    assert first_alone >= killed_at
-    print(f"kill -> first step at world 1: {shrunk['time'] - killed_at:.2f} s (event log), "
-          f"{first_alone - killed_at:.2f} s (node-a's output)")
+    try:
+        hosts.wait_for_step(log, world=2, min_step=15, timeout=TIMEOUT, nodes=nodes)
+        writer = writer_of(nodes)
+        other = nodes[1] if writer is nodes[0] else nodes[0]
+        before = survivor_pids(other)
+        assert writer.host is not None
+        pulled_at = writer.host.cable_down()
+        cut_off = log.wait(lambda e: e["event"] == "recovery" and e["time"] > pulled_at,
+                           "the survivor's recovery", TIMEOUT, nodes)
+        log.wait(lambda e: e["event"] == "checkpoint_saved" and e["step"] > cut_off["step"],
+                 "a checkpoint of the new world", TIMEOUT, nodes)
+        back_at = writer.host.cable_up()
+        hosts.wait_for_world(log, 2, after=back_at, timeout=TIMEOUT, nodes=nodes)
+        assert survivor_pids(other) == before
+        assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+    assert (cut_off["kind"], cut_off["cause"], cut_off["world_size"]) == \
+        ("live", "node lost", 1), cut_off
+    assert cut_off["time"] - pulled_at < NOT_BY_THE_LEASE, cut_off
+    assert [c["resumed_from"] for c in claims(run_dir)][:2] == [None, cut_off["step"]]
+    events = check_the_log(run_dir)
+    assert [e["event"] for e in events].count("start") == 1  # no worker group restarted
+    back = [e for e in events if e["event"] == "recovery" and e["time"] > back_at]
+    assert back and all((e["kind"], e["world_size"]) == ("live", 2) for e in back), back
+    assert_cut_off_side_committed_nothing(run_dir, events, cut_off, back_at, True)
+
+
+def test_c10d_a_frozen_node_is_cut_off_and_rejoins_when_thawed_scaling_the_lr(
+        netbed: Factory, tmp_path: Path) -> None:
+    bed = netbed(["node-a", "node-b"])
+    store = bed.host("node-a")
+    run_dir = tmp_path / "run"
+    job = [*JOB, "--batch-policy", "scale-lr", "--metrics-port", "0"]
+    nodes = [hosts.start_node(h, run_dir, [*hosts.c10d(store, h, "frozen",
+                                                       conf=SLOW_HEARTBEATS), *job])
+             for h in (store, bed.host("node-b"))]
+    log = EventLog(run_dir)
+    try:
+        hosts.wait_for_step(log, world=2, min_step=15, timeout=TIMEOUT, nodes=nodes)
+        before = survivor_pids(nodes[0])
+        writer_frozen = writer_of(nodes) is nodes[1]
+        frozen_at = bed.host("node-b").freeze()
+        cut_off = log.wait(lambda e: e["event"] == "recovery" and e["time"] > frozen_at,
+                           "the survivor's recovery", TIMEOUT, nodes)
+        hosts.wait_for_step(log, world=1, min_step=cut_off["step"] + 3, timeout=TIMEOUT,
+                            nodes=nodes)
+        thawed_at = bed.host("node-b").thaw()
+        hosts.wait_for_world(log, 2, after=thawed_at, timeout=TIMEOUT, nodes=nodes)
+        assert survivor_pids(nodes[0]) == before
+        assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+    assert (cut_off["kind"], cut_off["cause"], cut_off["world_size"]) == \
+        ("live", "node lost", 1), cut_off
+    assert cut_off["time"] - frozen_at < NOT_BY_THE_LEASE, cut_off
+    events = check_the_log(run_dir)
+    assert_scaled_lr(events)
+    assert [e["event"] for e in events].count("start") == 1
+    assert_cut_off_side_committed_nothing(run_dir, events, cut_off, thawed_at,
+                                          writer_cut_off=writer_frozen)
