@@ -81,12 +81,14 @@ class Node(harness.Job):
 
 
 def start_node(host: nb.Host, run_dir: Path, args: Sequence[str], name: str | None = None,
-               env: dict[str, str] | None = None) -> Node:
+               env: dict[str, str] | None = None, script: bool = False) -> Node:
     """``elastic-train run`` on ``host`` with ``args`` (launcher and job options), its run
-    dir ``run_dir``; output in ``run_dir.parent / f"{name or host.name}.log"``."""
+    dir ``run_dir`` (``script``: ``args`` end with a script and its arguments, which name
+    the run dir themselves); output in ``run_dir.parent / f"{name or host.name}.log"``."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.parent / f"{name or host.name}.log"
-    argv = [sys.executable, "-m", "elastic_train", "run", *args, "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "elastic_train", "run", *args,
+            *([] if script else ["--run-dir", str(run_dir)])]
     proc = host.popen(argv, env=harness.job_env({"PYTHONUNBUFFERED": "1", **(env or {})}),
                       log=log, cwd=run_dir.parent, timestamps=True)
     return Node(proc, run_dir, log, host=host)

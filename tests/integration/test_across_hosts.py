@@ -222,3 +222,46 @@ def test_c10d_a_frozen_node_is_cut_off_and_rejoins_when_thawed_scaling_the_lr(
     assert [e["event"] for e in events].count("start") == 1
     assert_cut_off_side_committed_nothing(run_dir, events, cut_off, thawed_at,
                                           writer_cut_off=writer_frozen)
+
+
+def test_a_hand_written_loop_on_two_hosts_survives_a_pulled_cable_in_place(
+        netbed: Factory, tmp_path: Path) -> None:
+    """``ElasticSession`` (tests/integration/session_live_loop.py) on two hosts, etcd-v3:
+    node-b's cable is pulled, node-a re-forms alone in place, node-b comes back and joins
+    in place when the cable is back. node-a's worker keeps its process throughout, no
+    checkpoint is loaded, each sample is used once per epoch."""
+    from tests.integration.test_session_live import SCRIPT, assert_each_sample_once_in_order
+
+    bed = netbed(["node-a", "node-b"], etcd=True)
+    run_dir, steps = tmp_path / "run", 300
+    run_dir.mkdir(parents=True)
+
+    def node(name: str) -> hosts.Node:
+        host = bed.host(name)
+        return hosts.start_node(host, run_dir, [
+            *hosts.etcd_v3(bed, host, "session", conf=SLOW_LEASE), str(SCRIPT), str(run_dir),
+            str(steps), "0.03"], script=True)
+
+    nodes = [node("node-a"), node("node-b")]
+    log = EventLog(run_dir)
+    try:
+        hosts.wait_for_step(log, world=2, min_step=20, timeout=TIMEOUT, nodes=nodes)
+        before = survivor_pids(nodes[0])
+        pulled_at = bed.host("node-b").cable_down()
+        cut_off = log.wait(lambda e: e["event"] == "recovery" and e["time"] > pulled_at,
+                           "node-a's recovery", TIMEOUT, nodes)
+        hosts.wait_for_step(log, world=1, min_step=cut_off["step"] + 5, timeout=TIMEOUT,
+                            nodes=nodes)
+        back_at = bed.host("node-b").cable_up()
+        hosts.wait_for_world(log, 2, after=back_at, timeout=TIMEOUT, nodes=nodes)
+        assert survivor_pids(nodes[0]) == before
+        assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
+    finally:
+        for node_ in nodes:
+            node_.stop()
+    assert (cut_off["kind"], cut_off["cause"], cut_off["world_size"]) == \
+        ("live", "node lost", 1), cut_off
+    assert cut_off["time"] - pulled_at < NOT_BY_THE_LEASE, cut_off
+    names = [e["event"] for e in log.read()]
+    assert names.count("start") == 1 and "checkpoint_loaded" not in names, names
+    assert_each_sample_once_in_order(run_dir, steps)

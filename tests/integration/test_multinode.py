@@ -504,6 +504,7 @@ def _signal_node(job: harness.Job, sig: int) -> None:
             pass
 
 
+@pytest.mark.extended  # across real hosts, with a pulled cable: test_across_hosts.py
 def test_etcd_v3_a_frozen_writer_node_is_cut_off_and_never_commits_over_the_new_world(
         tmp_path: Path, etcd_v3: EtcdServer) -> None:
     """A partition: the node holding rank 0, the checkpoint writer, stops answering (every
