@@ -73,6 +73,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests import tools
+
 PREFIX = "etb"  # every namespace a bed makes starts with it (and only theirs)
 SUBNET = "198.18.0"  # a /24 of 198.18.0.0/15 (RFC 2544, benchmark tests: never routed)
 PREFIX_LEN = 24
@@ -104,7 +106,7 @@ def unavailable_reason() -> str | None:
         reason = "network namespaces need root (ip netns add)"
     else:
         for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
-            if shutil.which(tool) is None:
+            if not tools.system_tool_available(tool):
                 reason = (f"{tool} is not installed: run scripts/install-test-deps.sh "
                           f"(apt: {package})")
                 break
@@ -125,7 +127,6 @@ def require() -> None:
     """Skip the calling test when no bed can be made here; fail instead under CI=true."""
     reason = unavailable_reason()
     if reason is not None:
-        from tests import tools
 
         tools.missing(f"multi-host test bed: {reason}")
 
@@ -367,10 +368,9 @@ class Host:
         return time.time()
 
     def _iptables(self, ns: str, rule: list[str]) -> None:
-        iptables = shutil.which("iptables")
-        if iptables is None:
+        if not tools.system_tool_available("iptables"):
             raise NetbedError("iptables is not installed: run scripts/install-test-deps.sh")
-        _run(["ip", "netns", "exec", ns, iptables, "-A", *rule])
+        _run(["ip", "netns", "exec", ns, "iptables", "-A", *rule])
         self._rules.append((ns, rule))
 
     def drop_incoming(self, peer: Host | None = None) -> float:
@@ -574,7 +574,7 @@ class Netbed:
         delay; a kernel module), ``tbf`` (a rate)."""
         host = self.hosts[0]
         if feature == "iptables":
-            return shutil.which("iptables") is not None and _run(
+            return tools.system_tool_available("iptables") and _run(
                 ["ip", "netns", "exec", host.ns, "iptables", "-S"], check=False
             ).returncode == 0
         spec = {"netem": ["netem", "delay", "1ms"],
@@ -583,7 +583,7 @@ class Netbed:
                       "root", *spec], check=False)
         _run(["ip", "netns", "exec", host.ns, "tc", "qdisc", "del", "dev", "lo", "root"],
              check=False)
-        return shutil.which("tc") is not None and added.returncode == 0
+        return tools.system_tool_available("tc") and added.returncode == 0
 
     def close(self) -> None:
         """Kill every process of every host, delete the namespaces and hosts files."""

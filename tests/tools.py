@@ -27,9 +27,11 @@ import pytest
 INSTALLED_TOOLS = ("hadolint", "ruff", "kubernetes-validate", "elastic-train", "torchrun")
 """Programs that ``pip install -e '.[dev]'`` puts in the venv's scripts directory."""
 
-SYSTEM_TOOLS = ("etcd", "prometheus", "promtool", "openssl", "kubectl", "kustomize")
+SYSTEM_TOOLS = ("etcd", "prometheus", "promtool", "openssl", "kubectl", "kustomize", "ip",
+                "unshare", "iptables", "tc")
 """Programs that scripts/install-test-deps.sh (or the system) puts on ``PATH``; kubectl and
-kustomize are optional (a comparison that runs when they are there)."""
+kustomize are optional (a comparison that runs when they are there); ip, unshare,
+iptables and tc make the network-namespace test bed (tests/netbed.py)."""
 
 SHADOW_EXIT = 97
 SHADOW_MESSAGE = ("{name} was looked up on PATH by a test: programs installed with the "
