@@ -134,3 +134,8 @@ class LiveRecoveryError(DistributedError):
 class NetworkConfigError(ConfigError):
     """The workers of a job across hosts would advertise an address other hosts cannot
     reach (network.py): refused before any worker starts."""
+
+
+class RendezvousStoreLostError(ElasticTrainError):
+    """The c10d rendezvous' store (in one node's agent) stopped answering: the job cannot
+    re-form without it."""

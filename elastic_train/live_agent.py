@@ -45,6 +45,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -64,6 +65,7 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 
 from elastic_train.distributed import store_prefix
 from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
+from elastic_train.errors import RendezvousStoreLostError
 from elastic_train.exit_watch import ExitWatch
 from elastic_train.failure_detector import Peer, PeerHeartbeats
 from elastic_train.hot_spare import assign, spare_delay, spare_env
@@ -74,6 +76,7 @@ from elastic_train.live_peers import (
     Notice,
     PeerStores,
     arrival_key,
+    bounded,
     commit_plan,
     local_value,
     plan_key,
@@ -89,8 +92,10 @@ from elastic_train.live_recovery import (
     Announcement,
     announcement_key,
 )
+from elastic_train.process_exit import exit_now
 from elastic_train.rendezvous.forget import forget_nodes, rendezvous_node_id
 from elastic_train.store_binding import listening_store
+from elastic_train.worker_start import stop_worker_server
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +114,9 @@ REFORM_ATTEMPTS = 3
 STOCK_ROUND = b"stock"
 """The round's plan when some agent of it is not ours: every worker starts the torch way."""
 WAKER_STOP = b"stop"
+STORE_ANSWER_SECONDS = 5.0
+"""How long a coordinator waits for c10d's store to take its plan before it takes that
+store's node for lost (a healthy one answers in milliseconds)."""
 UNCOMMITTED = b"uncommitted"
 """A coordinator's outcome when it could not reach the rendezvous' store to commit."""
 SPARE_ENDS = 2
@@ -125,6 +133,14 @@ LIVE_NCCL_ERROR_HANDLING = "2"
 and keep the process (torch's agent passes 1: abort and tear the process down, which would
 end the survivors that live recovery keeps). A collective that hangs is the step
 watchdog's to end (``--step-timeout``)."""
+
+
+def store_lost(run_id: str) -> RendezvousStoreLostError:
+    return RendezvousStoreLostError(
+        f"the c10d rendezvous store of job {run_id} does not answer within "
+        f"{STORE_ANSWER_SECONDS:g} s: its node is lost or cut off, and a c10d job cannot "
+        "outlive its store's node; restart the job (it resumes from its newest checkpoint), "
+        "or run it on --rdzv-backend etcd-v3, which survives the loss of any node")
 
 
 class PerWorkerProcesses:
@@ -394,6 +410,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
                     self._heartbeats.timeout if self._heartbeats else 0.0)
         self._silenced |= agents
         self._wake.set()
+        if self._worker_group.spec.rdzv_handler.get_backend() == "c10d":
+            threading.Thread(target=self._end_if_c10d_store_lost, name="c10d-store-check",
+                             daemon=True).start()
 
     def _silent_members(self) -> set[str]:
         """Members of the current generation the failure detector suspects now."""
@@ -733,6 +752,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
             return RESTART
         try:
             raw = self._commit(worker_group, plan.encode())
+        except RendezvousStoreLostError:
+            raise
         except Exception as exc:  # the rendezvous' store unreachable: cut off from it
             log.warning("could not commit generation %d (%s: %s): this node may be cut off "
                         "from the others; it restarts its workers and joins again",
@@ -744,8 +765,40 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
     def _commit(self, worker_group: WorkerGroup, raw: bytes) -> bytes:
         """Swap the job's plan from the one this agent applies to ``raw``; what is
-        committed now (another's plan if another agent, or a newer world, was first)."""
-        return commit_plan(self._job_store(worker_group), COMMITTED_KEY, self._plan_raw, raw)
+        committed now (another's plan if another agent, or a newer world, was first).
+
+        On c10d the job's store is a TCPStore in one agent: should that node fall silent,
+        torch's client would wait forever, and so would every node of the job (the c10d
+        rendezvous cannot outlive its store's node). Then this raises
+        ``RendezvousStoreLostError``, which ends the agent with one line."""
+        store = self._job_store(worker_group)
+        if worker_group.spec.rdzv_handler.get_backend() != "c10d":
+            return commit_plan(store, COMMITTED_KEY, self._plan_raw, raw)
+        try:
+            return bounded(lambda: commit_plan(store, COMMITTED_KEY, self._plan_raw, raw),
+                           STORE_ANSWER_SECONDS)
+        except TimeoutError:
+            raise store_lost(worker_group.spec.rdzv_handler.get_run_id()) from None
+
+    def _end_if_c10d_store_lost(self) -> None:
+        """(A thread, when a peer fell silent on c10d.) torch's c10d handler waits without
+        bound on its store, in this agent's loop: if the silent peer held the store, the
+        loop never comes back. So the store is asked here, with a bound; no answer ends
+        this agent with one line (its workers first: they wait in a dead world)."""
+        store = self._job_store(self._worker_group)
+        try:
+            bounded(lambda: store.check([COMMITTED_KEY]), STORE_ANSWER_SECONDS)
+            return
+        except TimeoutError:
+            pass
+        except Exception:  # refused or reset: torch's handler raises on its own
+            return
+        if isinstance(self._pcontext, PerWorkerProcesses):
+            self._pcontext.close(signal.SIGKILL, 5)
+        stop_worker_server()  # the spare's and the workers' server: nobody else will
+        error = store_lost(self._worker_group.spec.rdzv_handler.get_run_id())
+        print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
+        exit_now(1)
 
     def _follow(self, coordinator: str, generation: int, arrival: Arrival
                 ) -> tuple[Plan, bytes] | bytes | None:

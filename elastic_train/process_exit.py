@@ -32,9 +32,15 @@ def exit_process(code: int) -> NoReturn:
     """
     gc.freeze()
     if any(t.is_alive() for t in _left_in_c):
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+        exit_now(code)
     sys.exit(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process now with ``code``, from any thread, once its logs and streams are
+    flushed: for a process whose main thread may never come back from a C++ call."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

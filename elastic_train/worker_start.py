@@ -69,10 +69,10 @@ def worker_processes(method: str, nproc_per_node: str) -> Iterator[None]:
         try:
             yield
         finally:
-            _stop_server()
+            stop_worker_server()
 
 
-def _stop_server() -> None:
+def stop_worker_server() -> None:
     """Kill the forkserver and let multiprocessing reap it and forget it (private API of
     CPython's ``multiprocessing.forkserver``, stable since 3.4; skipped if it changes)."""
     server = forkserver._forkserver

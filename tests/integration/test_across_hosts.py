@@ -265,3 +265,37 @@ def test_a_hand_written_loop_on_two_hosts_survives_a_pulled_cable_in_place(
     names = [e["event"] for e in log.read()]
     assert names.count("start") == 1 and "checkpoint_loaded" not in names, names
     assert_each_sample_once_in_order(run_dir, steps)
+
+
+def test_c10d_the_stores_host_cut_off_ends_the_other_node_with_one_line(
+        netbed: Factory, tmp_path: Path) -> None:
+    """c10d keeps its store in one node's agent: a job cannot outlive that node. When its
+    cable is pulled, the other node, whose agent would wait on the store forever inside
+    torch's rendezvous, ends within seconds with one line that says what to do (its
+    workers too: nothing is left on the host); the store's node trains on alone."""
+    bed = netbed(["node-a", "node-b"])
+    store = bed.host("node-a")
+    run_dir = tmp_path / "run"
+    job = [*JOB, "--batch-policy", "scale-lr", "--metrics-port", "0"]
+    nodes = [hosts.start_node(h, run_dir, [*hosts.c10d(store, h, "store-lost",
+                                                       conf=SLOW_HEARTBEATS), *job])
+             for h in (store, bed.host("node-b"))]
+    log = EventLog(run_dir)
+    try:
+        hosts.wait_for_step(log, world=2, min_step=15, timeout=TIMEOUT, nodes=nodes)
+        pulled_at = store.cable_down()
+        assert hosts.wait_all(nodes[1:], 30) == [1], hosts.report(nodes)
+        ended = time.time() - pulled_at
+        assert bed.host("node-b").pids() == []
+        last = nodes[1].lines()[-1][1].decode()
+        assert last.startswith("elastic-train: error: the c10d rendezvous store of job "
+                               "store-lost does not answer within 5 s: its node is lost or "
+                               "cut off"), nodes[1].report()
+        assert "--rdzv-backend etcd-v3" in last
+        hosts.wait_for_world(log, 1, after=pulled_at, timeout=TIMEOUT, nodes=nodes[:1])
+        store.cable_up()
+        assert hosts.wait_all(nodes[:1], TIMEOUT) == [0], hosts.report(nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+    assert ended < 15, ended
