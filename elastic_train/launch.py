@@ -228,6 +228,14 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
 
 def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
                   script: Sequence[str] = ()) -> None:
+    from elastic_train.agent_logs import global_ranks_in_logs
+
+    with global_ranks_in_logs():
+        _start_agent(args, job_args, worker_start, script)
+
+
+def _start_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
+                 script: Sequence[str] = ()) -> None:
     from torch.distributed import run as torchrun
 
     if worker_start == "subprocess":
