@@ -22,7 +22,7 @@ def main() -> int:
         torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = torch.randn(64 * world, 16)[rank::world]
-    for step in range(steps):
+    for _ in range(steps):
         loss = model(data).pow(2).mean()
         opt.zero_grad()
         loss.backward()
