@@ -15,7 +15,7 @@ def train(steps: int, pace: float) -> float:
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(32, 8)
-    for _ in range(steps):
+    for step in range(steps):
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -23,6 +23,8 @@ def train(steps: int, pace: float) -> float:
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
         opt.step()
+        if step % 10 == 0:
+            print(f"rank {dist.get_rank()} step {step}", flush=True)
         if pace:
             time.sleep(pace)
     return loss.item()

@@ -22,11 +22,13 @@ def main() -> int:
         torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = torch.randn(64 * world, 16)[rank::world]
-    for _ in range(steps):
+    for step in range(steps):
         loss = model(data).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if step % 10 == 0:
+            print(f"rank {rank} step {step}", flush=True)
         if pace:
             time.sleep(pace)
     print(f"rank {rank} (local {local_rank}) of {world}: loss {loss.item():.4f} after "
