@@ -67,16 +67,19 @@ def launcher_argv(launcher: str, worker_start: str, nproc: int = 2,
 
 def run(shape: str, work: Path, *, worker_start: str = "forkserver", kill_rank: int | None
         = None, launcher: str = "elastic-train", timeout: float = 120.0, exit_code: int = 0,
-        max_restarts: int = 3, name: str = "job") -> Outcome:
+        max_restarts: int = 3, name: str = "job", env: dict[str, str] | None = None
+        ) -> Outcome:
     """Run ``shape`` once in ``work`` (a fresh directory); with ``kill_rank``, SIGKILL that
     worker once the run is under way (its second progress line). A run still going at
-    ``timeout`` counts as hung: it is killed and ``code`` is None."""
+    ``timeout`` counts as hung: it is killed and ``code`` is None. ``env``: variables over
+    harness.job_env's."""
     work.mkdir(parents=True, exist_ok=True)
     pace = 0.02 if kill_rank is not None else 0.0
     argv = [*launcher_argv(launcher, worker_start, max_restarts=max_restarts),
             *target_argv(shape, work, pace, exit_code)]
     started = time.monotonic()
-    job = harness.start(argv, work / name, harness.job_env(), cwd=harness.REPO, log_name=name)
+    job = harness.start(argv, work / name, harness.job_env(env), cwd=harness.REPO,
+                        log_name=name)
     killed = None
     deadline = started + timeout
     if kill_rank is not None:
