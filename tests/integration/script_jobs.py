@@ -45,7 +45,7 @@ def target_argv(shape: str, work: Path, pace: float, exit_code: int = 0) -> list
     """The script part of the command line for a script shape: ``tutorial`` (epochs, its
     snapshot in ``work``), ``module`` (``-m``), ``plain`` (LOCAL_RANK/RANK/WORLD_SIZE)."""
     if shape == "tutorial":
-        return [str(TUTORIAL), "8", "2", "--snapshot_path", str(work / "snapshot.pt"),
+        return [str(TUTORIAL), "5", "2", "--snapshot_path", str(work / "snapshot.pt"),
                 "--pace", str(pace), "--exit-code", str(exit_code)]
     if shape == "module":
         return ["-m", MODULE, "--steps", "60", "--pace", str(pace),
@@ -78,7 +78,7 @@ def run(shape: str, work: Path, *, worker_start: str = "forkserver", kill_rank: 
     argv = [*launcher_argv(launcher, worker_start, max_restarts=max_restarts),
             *target_argv(shape, work, pace, exit_code)]
     started = time.monotonic()
-    job = harness.start(argv, work / name, harness.job_env(env), cwd=harness.REPO,
+    job = harness.start(argv, work / name, harness.job_env(env), cwd=work,
                         log_name=name)
     killed = None
     deadline = started + timeout
