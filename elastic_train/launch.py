@@ -1,11 +1,14 @@
 """``elastic-train run``: torch's elastic agent in-process, with our defaults and a pre-flight.
 
-Launcher options are torchrun's (a subset with the same names); everything else is a job
-option for ``elastic_train.train``, checked here before any process starts so that bad input
-fails in a second with one line instead of after every restart is burnt. The rendezvous
-service is checked too (reachable, the API the backend needs), and the rendezvous options
-get their defaults (rendezvous/config.py). Option defaults come from torchrun's ``PET_*``
-variables (agent_env.py).
+Launcher options are torchrun's, every one of them (launch_options.py, which also settles
+whose defaults apply), plus ``--worker-start`` and ``--hot-spare``; given a script (or
+``-m MODULE``), every worker runs it (script_worker.py); else everything after the launcher
+options is a job option for ``elastic_train.train``, checked here before any process
+starts so that bad input fails in a second with one line instead of after every restart is
+burnt. The rendezvous service is checked too (reachable, the API the backend needs), and
+the rendezvous options get their defaults (rendezvous/config.py). Option defaults come
+from torchrun's ``PET_*`` variables (agent_env.py). torch's agent log lines name a failed
+worker's global rank (agent_logs.py).
 
 torch is imported inside the functions that need it, not at the top: the workers' forkserver
 starts first, so that it imports torch while this process does (worker_start.py).
