@@ -76,7 +76,9 @@ def main() -> int:
         print(f"run {i + 1:3d}/{len(plan)} {kind:8s} {outcome.seconds:6.1f} s  {verdict}"
               + (f"  log: {root / f'run-{i}' / 'job.log'}" if verdict != "ok" else ""),
               flush=True)
-    print(f"\n{args.launcher} --worker-start {args.worker_start}, {args.shape} script, "
+    how = ("torchrun --standalone (subprocess workers)" if args.launcher == "torchrun"
+           else f"elastic-train run --worker-start {args.worker_start}")
+    print(f"\n{how}, {args.shape} script, "
           f"{args.runs} fault-free + {args.kill_runs} SIGKILL runs, bound {args.timeout:g} s")
     for kind, values in seconds.items():
         if values:
