@@ -86,3 +86,25 @@ def test_a_pet_only_launch_gets_torchruns_world(tmp_path: Path, env: dict[str, s
     assert ours == theirs and theirs
     assert len(theirs) == int(env.get("PET_NPROC_PER_NODE", "1"))
     assert f"TORCHELASTIC_RUN_ID={env.get('PET_RDZV_ID', 'none')}" in theirs[0]
+
+
+def test_a_non_elastic_pytorchjobs_two_nodes_meet_on_the_static_rendezvous(tmp_path: Path
+                                                                           ) -> None:
+    """Without elasticPolicy the operator gives torchrun PET_NNODES, PET_NODE_RANK,
+    PET_MASTER_ADDR, PET_MASTER_PORT (and PET_NPROC_PER_NODE): torchrun's static
+    rendezvous, torchrun's defaults (no restarts, id 'none')."""
+    port = harness.free_ports()
+    jobs = []
+    for node in (0, 1):
+        env = {"PET_NNODES": "2", "PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "127.0.0.1",
+               "PET_MASTER_PORT": str(port), "PET_NPROC_PER_NODE": "1"}
+        jobs.append(harness.start([sys.executable, "-m", "elastic_train", "run",
+                                   str(SCRIPTS / "print_world.py")], tmp_path / f"node{node}",
+                                  harness.job_env(env), cwd=tmp_path, log_name=f"node{node}"))
+    lines = []
+    for job in jobs:
+        assert job.wait(BOUND) == 0, job.report()
+        lines += [line for line in job.output().splitlines() if line.startswith("world ")]
+    assert sorted(lines) == [
+        f"world RANK={rank} LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 GROUP_WORLD_SIZE=2 "
+        "TORCHELASTIC_RUN_ID=none TORCHELASTIC_MAX_RESTARTS=0" for rank in (0, 1)]
