@@ -132,6 +132,9 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) ->
 def _worker_start(ns: argparse.Namespace) -> str:
     chosen = ns.worker_start
     if ns.start_method is not None:
+        if ns.start_method not in START_METHODS:  # PET_START_METHOD is not checked by argparse
+            raise ConfigError(f"--start-method {ns.start_method!r} is invalid: use one of "
+                              f"{', '.join(sorted(START_METHODS))}")
         mapped = START_METHODS[ns.start_method]
         if chosen is not None and chosen != mapped:
             raise ConfigError(f"--start-method {ns.start_method} means --worker-start "

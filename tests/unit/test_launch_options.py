@@ -158,6 +158,13 @@ def test_contradictions_are_one_line(argv: list[str], line: str) -> None:
     assert str(err.value) == line and err.value.exit_code == 2
 
 
+def test_a_bad_pet_start_method_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_START_METHOD", "thread")
+    with pytest.raises(ConfigError, match=r"^--start-method 'thread' is invalid: use one of "
+                                          r"fork, forkserver, spawn$"):
+        settled([])
+
+
 def test_a_script_reaches_torchrun_through_our_runner_with_every_option() -> None:
     argv = ["--role", "trainer", "--local-ranks-filter", "0", "--master-port", "29512",
             "--event-log-handler", "console", "--signals-to-handle", "SIGTERM",
