@@ -19,26 +19,43 @@ from collections.abc import Iterator, Mapping
 
 from elastic_train.env import RENDEZVOUS_SECONDS, WORKER_ENV_FILE, read_env_file
 
-# Launcher options that torchrun also reads from PET_<NAME> (torch.distributed.argparse_util).
+# Launcher options that torchrun also reads from PET_<NAME> (torch.distributed.argparse_util:
+# ``env`` takes the value, ``check_env`` a flag, set by any non-zero integer).
 PET_PREFIX = "PET_"
 TORCHRUN_OPTIONS = frozenset({
     "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
-    "max_restarts", "monitor_interval", "node_rank", "local_addr", "log_dir", "redirects", "tee",
-    "master_addr", "shutdown_timeout",
+    "max_restarts", "monitor_interval", "start_method", "event_log_handler", "role",
+    "log_dir", "redirects", "tee", "local_ranks_filter", "duplicate_stdout_filters",
+    "duplicate_stderr_filters", "node_rank", "master_addr", "master_port", "local_addr",
+    "signals_to_handle", "shutdown_timeout",
 })
+TORCHRUN_FLAGS = frozenset({"standalone", "module", "no_python", "run_path",
+                            "virtual_local_rank"})
 
 
-def option_default(dest: str, default: str | None) -> str | None:
+def option_default(dest: str, default: object) -> object:
     """The default of launcher option ``dest``: ``PET_<DEST>`` if torchrun reads it and it
-    is set, else ``default``.
+    is set (a flag's: true for a non-zero integer), else ``default``.
 
     The Kubeflow training operator passes elasticPolicy to torchrun this way
     (PET_NNODES, PET_RDZV_BACKEND, ...), so ``elastic-train run`` in a pod sees the same
     settings torchrun would. An option on the command line still wins.
     """
-    if dest not in TORCHRUN_OPTIONS:
+    value = os.environ.get(f"{PET_PREFIX}{dest.upper()}")
+    if value is None:
         return default
-    return os.environ.get(f"{PET_PREFIX}{dest.upper()}", default)
+    if dest in TORCHRUN_FLAGS:
+        return bool(int(value))
+    return value if dest in TORCHRUN_OPTIONS else default
+
+
+def torchrun_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``PET_*`` variables of torchrun's options that are set (sorted): launched as the
+    Kubeflow operator launches torchrun, where torchrun's defaults are what the job's
+    author expects (launch_options.resolve)."""
+    env = os.environ if environ is None else environ
+    return sorted(f"{PET_PREFIX}{dest.upper()}" for dest in TORCHRUN_OPTIONS | TORCHRUN_FLAGS
+                  if f"{PET_PREFIX}{dest.upper()}" in env)
 
 
 def launcher_environment_defaults(nproc_per_node: str) -> dict[str, str]:

@@ -22,7 +22,7 @@ import logging
 import socket
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -301,6 +301,61 @@ def abandon_group() -> None:
 def abandoned_groups() -> int:
     """How many groups this process dropped with work stuck in them."""
     return len(_abandoned)
+
+
+_retained: list[dist.ProcessGroup] = []
+"""Groups a user's script destroyed, kept referenced until its process ends (below)."""
+
+
+@contextlib.contextmanager
+def groups_kept_until_exit() -> Iterator[None]:
+    """While the block runs, ``destroy_process_group`` keeps a reference to every group it
+    destroys, so that no gloo group is ever freed in this process: it must end with
+    ``os._exit`` (script_worker.py).
+
+    Why: a gloo collective launched during ``backward()`` carries autograd's thread-local
+    state, which holds a Python object (the ``contextvars`` context that
+    ``torch.autograd.graph._engine_run_backward`` stashes there). gloo's worker thread
+    frees that work after it completes, which takes the GIL. ``~ProcessGroupGloo`` joins
+    that thread while the freeing thread (the main one, dropping the last reference to
+    DDP's reducer or to the group, e.g. when ``main()`` of a tutorial script returns after
+    ``destroy_process_group()``) holds the GIL: a deadlock whenever the group goes away
+    within the few milliseconds after the last backward (gdb, torch 2.13; 2 of 14 runs of
+    a tutorial script here). Nothing outside torch can make that destructor release the
+    GIL or know when the worker thread is done, so the group is never destroyed; its
+    threads and sockets go with the process. A script that destroys many groups keeps
+    them all until it ends (one per destroy; an ElasticSession, one per re-formation).
+    """
+    c10d = dist.distributed_c10d
+    original = c10d.destroy_process_group
+
+    def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+        _retained.extend(_groups_destroyed_by(group))
+        original(group)
+
+    destroy_process_group.__doc__ = original.__doc__
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = c10d.destroy_process_group = original
+
+
+def _groups_destroyed_by(group: dist.ProcessGroup | None) -> list[dist.ProcessGroup]:
+    """The groups ``destroy_process_group(group)`` drops: ``group``, or with None (or the
+    world) every group of this process (torch 2.13's ``_world.pg_map``; the world group
+    alone if that changes)."""
+    if group is not None and group is not dist.GroupMember.WORLD:
+        return [group]
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if isinstance(pg_map, Mapping):
+        return list(pg_map)
+    return [g for g in (dist.GroupMember.WORLD,) if g is not None]
+
+
+def retained_groups() -> int:
+    """How many groups ``groups_kept_until_exit`` kept from being freed."""
+    return len(_retained)
 
 
 def store_prefix(run_id: str, restart_count: int) -> str:

@@ -1,11 +1,14 @@
 """``elastic-train run``: torch's elastic agent in-process, with our defaults and a pre-flight.
 
-Launcher options are torchrun's (a subset with the same names); everything else is a job
-option for ``elastic_train.train``, checked here before any process starts so that bad input
-fails in a second with one line instead of after every restart is burnt. The rendezvous
-service is checked too (reachable, the API the backend needs), and the rendezvous options
-get their defaults (rendezvous/config.py). Option defaults come from torchrun's ``PET_*``
-variables (agent_env.py).
+Launcher options are torchrun's, every one of them (launch_options.py, which also settles
+whose defaults apply), plus ``--worker-start`` and ``--hot-spare``; given a script (or
+``-m MODULE``), every worker runs it (script_worker.py); else everything after the launcher
+options is a job option for ``elastic_train.train``, checked here before any process
+starts so that bad input fails in a second with one line instead of after every restart is
+burnt. The rendezvous service is checked too (reachable, the API the backend needs), and
+the rendezvous options get their defaults (rendezvous/config.py). Option defaults come
+from torchrun's ``PET_*`` variables (agent_env.py). torch's agent log lines name a failed
+worker's global rank (agent_logs.py).
 
 torch is imported inside the functions that need it, not at the top: the workers' forkserver
 starts first, so that it imports torch while this process does (worker_start.py).
@@ -15,18 +18,24 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Sequence
 
-from elastic_train.agent_env import option_default
 from elastic_train.config import JobConfig, parse_job_args
 from elastic_train.env import read_worker_env
-from elastic_train.errors import ElasticTrainError
+from elastic_train.errors import ConfigError, ElasticTrainError
+from elastic_train.launch_options import (
+    add_torchrun_options,
+    apply_pet_defaults,
+    refused_line,
+    resolve,
+)
 from elastic_train.rendezvous.config import (
-    DEFAULT_BACKEND,
     parse_rdzv_conf,
     rdzv_conf_with_defaults,
     rendezvous_endpoint,
@@ -39,50 +48,37 @@ from elastic_train.worker_start import worker_processes, workers_released_on_clo
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = "elastic_train.train"
+SCRIPT_RUNNER = "elastic_train.script_worker"
+"""What subprocess workers run a script or module through (script_worker.main)."""
 
 def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
-    """torchrun-style options understood by ``elastic-train run``; defaults from ``PET_*``."""
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, add_help=False,
-                                description="Run an elastic training job (torchrun options + "
-                                            "job options; see --help-job for the latter).")
+    """torchrun's options (launch_options.py) and ours; defaults from ``PET_*``."""
+    p = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False, add_help=False,
+        description="Run an elastic training job: the built-in trainer (job options; see "
+                    "--help-job) or, as torchrun, a script: elastic-train run [options] "
+                    "train.py [args] (or -m MODULE [args]).",
+        epilog="Every option of torchrun is taken, with torchrun's meaning. Three defaults "
+               "are ours: --nproc-per-node 2, --max-restarts 3, and a random --rdzv-id on one "
+               "node (required for more); with any PET_* variable of torchrun's options set "
+               "(as the Kubeflow operator launches torchrun) every default is torchrun's "
+               "(1 worker per node, 0 restarts, rendezvous id 'none', static rendezvous "
+               "unless --rdzv-backend is given). A script gets the restart path: every "
+               "worker restarts from the script's own checkpoint; ElasticSession adds live "
+               "recovery and exact resume (README).")
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--help-job", action="store_true", help="show the job options")
-    p.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (default 1)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", default="2",
-                   help="workers per node (default 2)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", default=DEFAULT_BACKEND,
-                   help=f"{DEFAULT_BACKEND} (default), etcd, etcd-v2, etcd-v3, or any "
-                        "registered backend")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
-                   help="HOST:PORT of the rendezvous (default: a free port on 127.0.0.1 for one "
-                        "node)")
-    p.add_argument("--rdzv-id", "--rdzv_id", default="",
-                   help="job id shared by all nodes (default: random for one node)")
-    p.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="KEY=VALUE,... for the backend")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
-                   help="worker group restarts before the job fails (default 3)")
-    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
-                   help="seconds between the agent's checks of its workers (default 0.1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--local-addr", "--local_addr", default=None)
-    p.add_argument("--log-dir", "--log_dir", default=None)
-    p.add_argument("--redirects", default="0")
-    p.add_argument("--tee", default="0")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
-    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=None,
-                   help="seconds the agent waits after SIGTERM before it SIGKILLs a worker "
-                        "(torch's default: 30; keep it above --preemption-budget)")
-    p.add_argument("--worker-start", choices=("forkserver", "subprocess"), default="forkserver",
+    add_torchrun_options(p)
+    p.add_argument("--worker-start", choices=("forkserver", "subprocess"), default=None,
                    help="forkserver (default): workers fork from a process that imported torch "
                         "once, so a restart skips the imports; subprocess: a fresh "
-                        "'python -m elastic_train.train' each time, as torchrun does")
+                        "python process each time, as torchrun does")
     p.add_argument("--hot-spare", choices=("on", "off"), default="on",
                    help="on (default; the built-in job under live recovery): keep one worker "
                         "per node forked and built ahead, which takes the place of the next "
                         "worker that fails, so its replacement skips the fork and the build; "
                         "off: fork the replacement when a worker fails")
-    for action in p._actions:
-        action.default = option_default(action.dest, action.default)
+    apply_pet_defaults(p)
     return p
 
 
@@ -108,8 +104,9 @@ def script_command(argv: Sequence[str], parser: argparse.ArgumentParser
 
 def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str],
                   script: Sequence[str] = ()) -> list[str]:
-    """The torchrun command line equivalent to ``ns`` (without the program name); the
-    built-in job with ``job_args``, or ``script`` (``[path, args...]``)."""
+    """The torchrun command line equivalent to ``ns`` (without the program name; settled
+    by ``launch_options.resolve``); the built-in job with ``job_args``, or ``script``
+    (``[target, args...]``), which subprocess workers run through ``SCRIPT_RUNNER``."""
     endpoint = rendezvous_endpoint(ns.nnodes, ns.rdzv_endpoint)
     run_id = rendezvous_id(ns.nnodes, ns.rdzv_id)
     argv = [
@@ -118,20 +115,28 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str],
         f"--rdzv-id={run_id}",
         f"--max-restarts={ns.max_restarts}", f"--monitor-interval={ns.monitor_interval}",
         f"--node-rank={ns.node_rank}", f"--master-addr={ns.master_addr}",
-        f"--redirects={ns.redirects}", f"--tee={ns.tee}",
+        f"--master-port={ns.master_port}", f"--redirects={ns.redirects}", f"--tee={ns.tee}",
+        f"--role={ns.role}", f"--event-log-handler={ns.event_log_handler}",
+        f"--signals-to-handle={ns.signals_to_handle}",
     ]
     conf = rdzv_conf_with_defaults(ns.rdzv_backend, ns.rdzv_conf)
     if conf:
         argv.append(f"--rdzv-conf={conf}")
-    if ns.local_addr:
-        argv.append(f"--local-addr={ns.local_addr}")
-    if ns.log_dir:
-        argv.append(f"--log-dir={ns.log_dir}")
-    if ns.shutdown_timeout is not None:
-        argv.append(f"--shutdown-timeout={ns.shutdown_timeout}")
-    if script:
-        return [*argv, *script]
-    return [*argv, "-m", WORKER_MODULE, *job_args]
+    for flag, value in (("--local-addr", ns.local_addr), ("--log-dir", ns.log_dir),
+                        ("--shutdown-timeout", ns.shutdown_timeout),
+                        ("--local-ranks-filter", ns.local_ranks_filter),
+                        ("--duplicate-stdout-filters", ns.duplicate_stdout_filters),
+                        ("--duplicate-stderr-filters", ns.duplicate_stderr_filters),
+                        ("--logs-specs", ns.logs_specs), ("--numa-binding", ns.numa_binding)):
+        if value not in (None, "", []):
+            argv.append(f"{flag}={value}")
+    if ns.virtual_local_rank:
+        argv.append("--virtual-local-rank")
+    if not script:
+        return [*argv, "-m", WORKER_MODULE, *job_args]
+    if ns.no_python:
+        return [*argv, "--no-python", *script]
+    return [*argv, "-m", SCRIPT_RUNNER, *(["-m"] if ns.module else []), *script]
 
 
 _DROPPED_ON_OLDER_TORCH = {
@@ -226,6 +231,14 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
 
 def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
                   script: Sequence[str] = ()) -> None:
+    from elastic_train.agent_logs import global_ranks_in_logs
+
+    with global_ranks_in_logs():
+        _start_agent(args, job_args, worker_start, script)
+
+
+def _start_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
+                 script: Sequence[str] = ()) -> None:
     from torch.distributed import run as torchrun
 
     if worker_start == "subprocess":
@@ -238,15 +251,15 @@ def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_star
                      name="import-torch-dynamo", daemon=True).start()
     from torch.distributed.launcher.api import elastic_launch
 
-    from elastic_train.script_worker import run_script
+    from elastic_train.script_worker import MODULE_FLAG, run_module, run_script
     from elastic_train.train import run_worker
 
-    if args.master_port is None:
-        args.master_port = 29500  # what torchrun.run() does; unused by the c10d/etcd backends
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
     with workers_released_on_close():
-        if script:
+        if script and script[0] == MODULE_FLAG:
+            elastic_launch(config, entrypoint=run_module)(*script[1:])
+        elif script:
             elastic_launch(config, entrypoint=run_script)(*script)
         else:
             elastic_launch(config, entrypoint=run_worker)(*job_args)
@@ -259,6 +272,10 @@ def main(argv: Sequence[str]) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     parser = launcher_parser()
+    refused = refused_line(list(argv))
+    if refused is not None:
+        print(f"elastic-train: error: {refused}", file=sys.stderr)
+        return 2
     scripted = script_command(argv, parser)
     if scripted is not None:
         return _run_script(parser, *scripted)
@@ -269,12 +286,13 @@ def main(argv: Sequence[str]) -> int:
         (job_parser("elastic-train run") if ns.help_job else parser).print_help()
         return 0
     try:
+        resolve(ns)
+        if ns.module or ns.no_python or ns.run_path:
+            raise ConfigError("-m, --no-python and --run-path need a script or module to run: "
+                              "give it after the options (elastic-train run [options] "
+                              "train.py [args])")
         config = parse_job_args(job_args, prog="elastic-train run")
         cmd = torchrun_argv(ns, job_args)
-    except ElasticTrainError as exc:
-        print(f"elastic-train: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    try:
         name_worker_interface(ns)
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
@@ -293,7 +311,7 @@ def name_worker_interface(ns: argparse.Namespace) -> None:
     from elastic_train.network import socket_ifname_defaults
     from elastic_train.rendezvous.config import single_node
 
-    endpoint = ns.rdzv_endpoint.split(",")[0].split("://")[-1]
+    endpoint = (ns.rdzv_endpoint or "").split(",")[0].split("://")[-1]
     host = endpoint.rpartition(":")[0] if ":" in endpoint else endpoint
     defaults = socket_ifname_defaults(not single_node(ns.nnodes), ns.local_addr, host or None,
                                       os.environ)
@@ -303,25 +321,51 @@ def name_worker_interface(ns: argparse.Namespace) -> None:
     apply_environment_defaults(defaults)
 
 
+SCRIPT_GETS = ("elastic-train: {target} runs unmodified, as under torchrun: a failed worker "
+               "restarts every worker ({start}) and the script resumes from its own "
+               "checkpoint; nothing else is added. ElasticSession (7 changed lines in a "
+               "tutorial loop; README) adds live recovery (survivors keep their processes) "
+               "and exact resume")
+"""The line a script job starts with (``--worker-start`` said as what it does)."""
+
+
 def _run_script(parser: argparse.ArgumentParser, options: list[str], script: list[str]
                 ) -> int:
-    """``elastic-train run [options] SCRIPT [args]``: every worker runs the script."""
+    """``elastic-train run [options] SCRIPT [args]`` (or ``-m MODULE``, ``--no-python
+    PROGRAM``): every worker runs it."""
     ns = parser.parse_args(options)
     if ns.help or ns.help_job:
         parser.print_help()
         return 0
-    if not os.path.isfile(script[0]):
-        print(f"elastic-train: error: no training script at {script[0]}: give the path of a "
-              "Python file (or job options, e.g. --task, for the built-in trainer)",
-              file=sys.stderr)
-        return 2
     try:
+        resolve(ns)
+        _check_target(ns, script[0])
+        cmd = torchrun_argv(ns, [], script)
         name_worker_interface(ns)
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    start = ("forked from a server with torch imported, no imports on a restart"
+             if ns.worker_start == "forkserver" else "fresh processes, as torchrun starts")
+    print(SCRIPT_GETS.format(target=script[0], start=start), file=sys.stderr, flush=True)
     with worker_processes(ns.worker_start, ns.nproc_per_node):
-        return _checked_launch(ns, torchrun_argv(ns, [], script), [], None, script)
+        return _checked_launch(ns, cmd, [], None, script)
+
+
+def _check_target(ns: argparse.Namespace, target: str) -> None:
+    """ConfigError unless ``target`` is what the workers can run: a file, an importable
+    module (``-m``), a program (``--no-python``)."""
+    if ns.module:
+        if importlib.util.find_spec(target.split(".")[0]) is None:
+            raise ConfigError(f"no module {target!r} to run (-m): give a module importable "
+                              "from the working directory or the installed packages")
+    elif ns.no_python:
+        if shutil.which(target) is None:
+            raise ConfigError(f"no program {target!r} to run (--no-python): give an "
+                              "executable file or a command on PATH")
+    elif not os.path.isfile(target):
+        raise ConfigError(f"no training script at {target}: give the path of a Python file "
+                          "(or job options, e.g. --task, for the built-in trainer)")
 
 
 def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[str],
@@ -345,11 +389,16 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
         return exc.exit_code
     timing.install()
     where = f" (run dir {config.run_dir})" if config is not None else f" ({script[0]})"
+    args = torchrun.parse_args(options_torchrun_knows(cmd, torchrun.get_args_parser()))
+    # Settled here already (launch_options.resolve): torch's parser must not take them
+    # again from PET_* variables (PET_NO_PYTHON would run our runner without python).
+    args.standalone, args.run_path = False, False
+    args.no_python = bool(script) and ns.no_python
+    args.module = not args.no_python
     try:
-        _launch(torchrun.parse_args(options_torchrun_knows(cmd, torchrun.get_args_parser())),
-                job_args, ns.worker_start,
-                config.distributed.recovery if config is not None else "live", script,
-                ns.hot_spare == "on")
+        _launch(args, job_args, ns.worker_start,
+                config.distributed.recovery if config is not None else "live",
+                (["-m"] if ns.module else []) + list(script), ns.hot_spare == "on")
     except SignalException as exc:
         # The agent passed the signal to the workers, which checkpointed and exited 0.
         # Non-zero here so that a restart policy brings a preempted node back.

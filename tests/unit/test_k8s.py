@@ -21,6 +21,7 @@ import yaml
 
 from elastic_train.config import parse_job_args
 from elastic_train.launch import launcher_parser, torchrun_argv
+from elastic_train.launch_options import resolve
 from elastic_train.rendezvous.config import parse_rdzv_conf
 from elastic_train.rendezvous.options import EtcdV3Options
 from tests import k8s_model, kustomize, tools
@@ -170,6 +171,7 @@ def test_the_worker_command_and_the_operators_settings_make_the_intended_launch(
         monkeypatch.setenv(name, value)
 
     ns, job_args = launcher_parser().parse_known_args(container["args"])
+    resolve(ns)
     config = parse_job_args(job_toml(objects, tmp_path, job_args), prog="elastic-train run")
     assert str(config.run_dir).startswith("/checkpoints/")
     assert config.metrics.address == "0.0.0.0"
