@@ -47,6 +47,8 @@ INTERVAL = 0.25
 """Seconds between pings to each watched peer."""
 TIMEOUT = 1.5
 """Seconds without an answer after which a watched peer is suspected (six pings)."""
+MIN_TIMEOUT = 2 * INTERVAL
+"""The shortest timeout that spans more than one ping."""
 FANOUT = 2
 """Successors on the ring each agent watches (each agent is watched by as many)."""
 _MAX_DATAGRAM = 512

@@ -29,6 +29,9 @@ from collections.abc import Sequence
 from elastic_train.config import JobConfig, parse_job_args
 from elastic_train.env import read_worker_env
 from elastic_train.errors import ConfigError, ElasticTrainError
+from elastic_train.failure_detector import INTERVAL as PING_INTERVAL
+from elastic_train.failure_detector import MIN_TIMEOUT as MIN_PEER_TIMEOUT
+from elastic_train.failure_detector import TIMEOUT as PEER_TIMEOUT
 from elastic_train.launch_options import (
     add_torchrun_options,
     apply_pet_defaults,
@@ -78,8 +81,26 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
                         "per node forked and built ahead, which takes the place of the next "
                         "worker that fails, so its replacement skips the fork and the build; "
                         "off: fork the replacement when a worker fails")
+    p.add_argument("--peer-timeout", type=peer_timeout, default=PEER_TIMEOUT, metavar="S",
+                   help=f"seconds without an answer after which a node's agent is taken for "
+                        f"lost (the agents' failure detector; default {PEER_TIMEOUT:g}; a few "
+                        "seconds on hosts that stall, 0: off, silent nodes are then seen at "
+                        "their lease or heartbeat expiry)")
     apply_pet_defaults(p)
     return p
+
+
+def peer_timeout(text: str) -> float:
+    """``--peer-timeout``: 0 (off) or at least ``MIN_PEER_TIMEOUT`` seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value != 0 and not value >= MIN_PEER_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give 0 (off) or a number of seconds of at least {MIN_PEER_TIMEOUT:g} "
+            f"(the detector pings every {PING_INTERVAL:g} s)")
+    return value
 
 
 def script_command(argv: Sequence[str], parser: argparse.ArgumentParser
@@ -213,11 +234,12 @@ def first_failure_line(exc: BaseException) -> str:
 
 
 def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
-            recovery: str = "live", script: Sequence[str] = (), hot_spare: bool = False
-            ) -> None:
+            recovery: str = "live", script: Sequence[str] = (), hot_spare: bool = False,
+            peer_seconds: float = PEER_TIMEOUT) -> None:
     """Run the elastic agent in this process until the job ends (``recovery``: the job's
     --recovery; live_agent.py; a script's ElasticSession chooses for itself; ``hot_spare``:
-    --hot-spare, for the built-in job under live recovery: hot_spare.py)."""
+    --hot-spare, for the built-in job under live recovery: hot_spare.py; ``peer_seconds``:
+    --peer-timeout, failure_detector.py)."""
 
     from elastic_train.live_agent import live_agent_installed
     from elastic_train.rendezvous.config import single_node
@@ -225,7 +247,8 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
 
     listen_host = node_store_host(single_node(args.nnodes), args.local_addr)
     spare = hot_spare and not script and recovery == "live"
-    with live_agent_installed(recovery, listen_host, spare), rendezvous_store_on_loopback():
+    with live_agent_installed(recovery, listen_host, spare, peer_seconds), \
+            rendezvous_store_on_loopback():
         _launch_agent(args, job_args, worker_start, script)
 
 
@@ -398,7 +421,8 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
     try:
         _launch(args, job_args, ns.worker_start,
                 config.distributed.recovery if config is not None else "live",
-                (["-m"] if ns.module else []) + list(script), ns.hot_spare == "on")
+                (["-m"] if ns.module else []) + list(script), ns.hot_spare == "on",
+                ns.peer_timeout)
     except SignalException as exc:
         # The agent passed the signal to the workers, which checkpointed and exited 0.
         # Non-zero here so that a restart policy brings a preempted node back.

@@ -67,6 +67,7 @@ from elastic_train.distributed import store_prefix
 from elastic_train.env import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
 from elastic_train.errors import RendezvousStoreLostError
 from elastic_train.exit_watch import ExitWatch
+from elastic_train.failure_detector import TIMEOUT as DETECTOR_TIMEOUT
 from elastic_train.failure_detector import Peer, PeerHeartbeats
 from elastic_train.hot_spare import assign, spare_delay, spare_env
 from elastic_train.live_peers import (
@@ -337,6 +338,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
     hot_spare = False
     """Keep a spare worker forked and built (hot_spare.py); set by ``live_agent_installed``
     (``--hot-spare``, the built-in trainer only)."""
+    peer_timeout = DETECTOR_TIMEOUT
+    """Seconds a peer may be unheard before it is suspected (failure_detector.py; 0: no
+    detector); set by ``live_agent_installed`` (``--peer-timeout``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -393,9 +397,11 @@ class LiveRecoveryAgent(LocalElasticAgent):
                                              is_master=True, **options)
             host = worker_group.spec.local_addr or socket.getfqdn()
         self.address = f"{host}:{self._node_store.port}"
-        self._heartbeats = PeerHeartbeats(self.listen_host or "0.0.0.0",
-                                          on_suspect=self._on_silent)
-        self.beat = self._heartbeats.beat_address(host)
+        if self.peer_timeout > 0:
+            self._heartbeats = PeerHeartbeats(self.listen_host or "0.0.0.0",
+                                              on_suspect=self._on_silent,
+                                              timeout=self.peer_timeout)
+            self.beat = self._heartbeats.beat_address(host)
         if hasattr(self._node_store, "queue_pop"):
             # its own client, where the store listens (only on --local-addr across hosts)
             self._waker = threading.Thread(target=self._wait_for_calls, args=(
@@ -913,7 +919,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
 @contextlib.contextmanager
 def live_agent_installed(recovery: str, listen_host: str | None = None,
-                         hot_spare: bool = False) -> Iterator[None]:
+                         hot_spare: bool = False, peer_timeout: float = DETECTOR_TIMEOUT
+                         ) -> Iterator[None]:
     """Make torch's launcher run ``LiveRecoveryAgent`` (for ``elastic-train run``)."""
     from torch.distributed.launcher import api
 
@@ -921,6 +928,7 @@ def live_agent_installed(recovery: str, listen_host: str | None = None,
     LiveRecoveryAgent.recovery = recovery
     LiveRecoveryAgent.listen_host = listen_host
     LiveRecoveryAgent.hot_spare = hot_spare
+    LiveRecoveryAgent.peer_timeout = peer_timeout
     api.LocalElasticAgent = LiveRecoveryAgent  # type: ignore[misc]
     try:
         yield

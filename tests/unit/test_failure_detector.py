@@ -115,3 +115,15 @@ def test_anything_but_our_json_is_ignored_and_pings_are_answered():
         assert answer == {"pong": 7, "from": "me"}
     finally:
         beats.close()
+
+
+def test_the_launcher_takes_a_peer_timeout_of_zero_or_of_two_pings_at_least():
+    from elastic_train.launch import launcher_parser
+
+    parser = launcher_parser()
+    assert parser.parse_args([]).peer_timeout == 1.5
+    assert parser.parse_args(["--peer-timeout", "0"]).peer_timeout == 0
+    assert parser.parse_args(["--peer-timeout", "4"]).peer_timeout == 4
+    for bad in ("0.1", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--peer-timeout", bad])
