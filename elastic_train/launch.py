@@ -247,7 +247,11 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
 
     listen_host = node_store_host(single_node(args.nnodes), args.local_addr)
     spare = hot_spare and not script and recovery == "live"
-    with live_agent_installed(recovery, listen_host, spare, peer_seconds), \
+    try:
+        join_timeout = float(parse_rdzv_conf(args.rdzv_conf).get("join_timeout", 600))
+    except ValueError:
+        join_timeout = 600.0  # torch's handler refuses it itself
+    with live_agent_installed(recovery, listen_host, spare, peer_seconds, join_timeout), \
             rendezvous_store_on_loopback():
         _launch_agent(args, job_args, worker_start, script)
 

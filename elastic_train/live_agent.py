@@ -118,6 +118,8 @@ WAKER_STOP = b"stop"
 STORE_ANSWER_SECONDS = 5.0
 """How long a coordinator waits for c10d's store to take its plan before it takes that
 store's node for lost (a healthy one answers in milliseconds)."""
+C10D_JOIN_TIMEOUT = 600.0
+"""torch's default ``join_timeout`` of the c10d rendezvous."""
 UNCOMMITTED = b"uncommitted"
 """A coordinator's outcome when it could not reach the rendezvous' store to commit."""
 SPARE_ENDS = 2
@@ -136,10 +138,11 @@ end the survivors that live recovery keeps). A collective that hangs is the step
 watchdog's to end (``--step-timeout``)."""
 
 
-def store_lost(run_id: str) -> RendezvousStoreLostError:
+def store_lost(run_id: str, seconds: float) -> RendezvousStoreLostError:
     return RendezvousStoreLostError(
-        f"the c10d rendezvous store of job {run_id} does not answer within "
-        f"{STORE_ANSWER_SECONDS:g} s: its node is lost or cut off, and a c10d job cannot "
+        f"the c10d rendezvous store of job {run_id} did not answer for {seconds:g} s "
+        "(--rdzv-conf join_timeout): its node is lost or this node is cut off, and a c10d "
+        "job cannot "
         "outlive its store's node; restart the job (it resumes from its newest checkpoint), "
         "or run it on --rdzv-backend etcd-v3, which survives the loss of any node")
 
@@ -341,6 +344,11 @@ class LiveRecoveryAgent(LocalElasticAgent):
     peer_timeout = DETECTOR_TIMEOUT
     """Seconds a peer may be unheard before it is suspected (failure_detector.py; 0: no
     detector); set by ``live_agent_installed`` (``--peer-timeout``)."""
+    store_lost_seconds = C10D_JOIN_TIMEOUT
+    """How long a c10d node whose store went silent waits for it to answer again (a
+    cut-off node whose cable comes back rejoins) before it ends with one line: the
+    rendezvous' ``join_timeout``, as long as a node may wait to join; set by
+    ``live_agent_installed``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -366,6 +374,10 @@ class LiveRecoveryAgent(LocalElasticAgent):
         """The failure detector (failure_detector.py): a silent peer wakes the loop too."""
         self.beat = ""
         """Where this agent answers the failure detector's pings (HOST:PORT)."""
+        self._store_check: threading.Thread | None = None
+        self._loop_at = 0.0
+        """When the monitor loop last ran (a thread tells from it whether the loop is stuck
+        in torch's c10d handler)."""
         self._silenced: set[str] = set()
         """Peers the detector suspected since this agent adopted its plan, kept even if they
         answer again: the loop may have been blocked meanwhile (torch's c10d handler waits
@@ -416,9 +428,11 @@ class LiveRecoveryAgent(LocalElasticAgent):
                     self._heartbeats.timeout if self._heartbeats else 0.0)
         self._silenced |= agents
         self._wake.set()
-        if self._worker_group.spec.rdzv_handler.get_backend() == "c10d":
-            threading.Thread(target=self._end_if_c10d_store_lost, name="c10d-store-check",
-                             daemon=True).start()
+        checking = self._store_check is not None and self._store_check.is_alive()
+        if self._worker_group.spec.rdzv_handler.get_backend() == "c10d" and not checking:
+            self._store_check = threading.Thread(target=self._end_if_c10d_store_lost,
+                                                 name="c10d-store-check", daemon=True)
+            self._store_check.start()
 
     def _silent_members(self) -> set[str]:
         """Members of the current generation the failure detector suspects now."""
@@ -588,6 +602,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
     # ---- re-forming within a round ----------------------------------------------------------
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._loop_at = time.monotonic()
         woken = self._wake.wait(self._interval)
         if woken:  # what woke it is read below (keys stay set): a later push wakes it again
             self._wake.clear()
@@ -758,8 +773,6 @@ class LiveRecoveryAgent(LocalElasticAgent):
             return RESTART
         try:
             raw = self._commit(worker_group, plan.encode())
-        except RendezvousStoreLostError:
-            raise
         except Exception as exc:  # the rendezvous' store unreachable: cut off from it
             log.warning("could not commit generation %d (%s: %s): this node may be cut off "
                         "from the others; it restarts its workers and joins again",
@@ -773,24 +786,25 @@ class LiveRecoveryAgent(LocalElasticAgent):
         """Swap the job's plan from the one this agent applies to ``raw``; what is
         committed now (another's plan if another agent, or a newer world, was first).
 
-        On c10d the job's store is a TCPStore in one agent: should that node fall silent,
-        torch's client would wait forever, and so would every node of the job (the c10d
-        rendezvous cannot outlive its store's node). Then this raises
-        ``RendezvousStoreLostError``, which ends the agent with one line."""
+        On c10d the job's store is a TCPStore in one agent: should that node fall silent
+        (or this one be cut off), torch's client would wait forever; the call gives up after
+        ``STORE_ANSWER_SECONDS`` (``TimeoutError``: nothing committed)."""
         store = self._job_store(worker_group)
         if worker_group.spec.rdzv_handler.get_backend() != "c10d":
             return commit_plan(store, COMMITTED_KEY, self._plan_raw, raw)
-        try:
-            return bounded(lambda: commit_plan(store, COMMITTED_KEY, self._plan_raw, raw),
-                           STORE_ANSWER_SECONDS)
-        except TimeoutError:
-            raise store_lost(worker_group.spec.rdzv_handler.get_run_id()) from None
+        return bounded(lambda: commit_plan(store, COMMITTED_KEY, self._plan_raw, raw),
+                       STORE_ANSWER_SECONDS)
 
     def _end_if_c10d_store_lost(self) -> None:
         """(A thread, when a peer fell silent on c10d.) torch's c10d handler waits without
         bound on its store, in this agent's loop: if the silent peer held the store, the
-        loop never comes back. So the store is asked here, with a bound; no answer ends
-        this agent with one line (its workers first: they wait in a dead world)."""
+        loop does not come back until the store answers again. So the store is asked here,
+        with a bound. No answer within ``STORE_ANSWER_SECONDS``: the store's node is lost,
+        or this node is cut off; either way this node's workers hold a superseded state and
+        are ended. The agent then waits up to ``store_lost_seconds`` for its loop to come
+        back (a cable put back: the blocked call completes, and the loop rejoins the job);
+        if it does not, it ends with one line."""
+        suspected_at = time.monotonic()
         store = self._job_store(self._worker_group)
         try:
             bounded(lambda: store.check([COMMITTED_KEY]), STORE_ANSWER_SECONDS)
@@ -799,10 +813,23 @@ class LiveRecoveryAgent(LocalElasticAgent):
             pass
         except Exception:  # refused or reset: torch's handler raises on its own
             return
+        if self._loop_at > suspected_at:
+            return  # the loop went on meanwhile: it handles the silent peer itself
+        log.warning("the c10d rendezvous store does not answer: its node is lost, or this "
+                    "node is cut off; this node ends its workers and waits up to %g s for "
+                    "the store (--rdzv-conf join_timeout)", self.store_lost_seconds)
+        if isinstance(self._pcontext, PerWorkerProcesses):
+            self._pcontext.end_now()
+        deadline = suspected_at + self.store_lost_seconds
+        while time.monotonic() < deadline:
+            if self._loop_at > suspected_at:
+                return  # the store answered the loop: it rejoins the job
+            time.sleep(0.1)
         if isinstance(self._pcontext, PerWorkerProcesses):
             self._pcontext.close(signal.SIGKILL, 5)
         stop_worker_server()  # the spare's and the workers' server: nobody else will
-        error = store_lost(self._worker_group.spec.rdzv_handler.get_run_id())
+        error = store_lost(self._worker_group.spec.rdzv_handler.get_run_id(),
+                           self.store_lost_seconds)
         print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
         exit_now(1)
 
@@ -919,8 +946,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
 @contextlib.contextmanager
 def live_agent_installed(recovery: str, listen_host: str | None = None,
-                         hot_spare: bool = False, peer_timeout: float = DETECTOR_TIMEOUT
-                         ) -> Iterator[None]:
+                         hot_spare: bool = False, peer_timeout: float = DETECTOR_TIMEOUT,
+                         store_lost_seconds: float = C10D_JOIN_TIMEOUT) -> Iterator[None]:
     """Make torch's launcher run ``LiveRecoveryAgent`` (for ``elastic-train run``)."""
     from torch.distributed.launcher import api
 
@@ -929,6 +956,7 @@ def live_agent_installed(recovery: str, listen_host: str | None = None,
     LiveRecoveryAgent.listen_host = listen_host
     LiveRecoveryAgent.hot_spare = hot_spare
     LiveRecoveryAgent.peer_timeout = peer_timeout
+    LiveRecoveryAgent.store_lost_seconds = store_lost_seconds
     api.LocalElasticAgent = LiveRecoveryAgent  # type: ignore[misc]
     try:
         yield
