@@ -129,6 +129,25 @@ def test_etcd_v3_a_killed_host_is_reformed_at_once_and_a_new_host_grows_it_back(
     assert [c["resumed_from"] for c in claims(run_dir)] == [None, shrink["step"]]
 
 
+def cut_off_and_back(host: nb.Host, fault: str, log: EventLog, nodes: list[hosts.Node],
+                     steps_alone: int) -> tuple[dict[str, Any], float, float]:
+    """``fault`` (``cable`` or ``freeze``) on ``host``; once the survivors re-formed and
+    trained ``steps_alone`` steps alone, the fault undone; then the first step at world 2.
+    (the survivors' recovery event, fault time, undo time). The recovery must be a node lost
+    seen live, sooner than a 30 s lease or heartbeat expiry could tell."""
+    fault_at = host.freeze() if fault == "freeze" else host.cable_down()
+    cut_off = log.wait(lambda e: e["event"] == "recovery" and e["time"] > fault_at,
+                       "the survivors' recovery", TIMEOUT, nodes)
+    hosts.wait_for_step(log, world=1, min_step=cut_off["step"] + steps_alone,
+                        timeout=TIMEOUT, nodes=nodes)
+    back_at = host.thaw() if fault == "freeze" else host.cable_up()
+    hosts.wait_for_world(log, 2, after=back_at, timeout=TIMEOUT, nodes=nodes)
+    assert (cut_off["kind"], cut_off["cause"], cut_off["world_size"]) == \
+        ("live", "node lost", 1), cut_off
+    assert cut_off["time"] - fault_at < NOT_BY_THE_LEASE, cut_off
+    return cut_off, fault_at, back_at
+
+
 def assert_cut_off_side_committed_nothing(run_dir: Path, events: list[dict[str, Any]],
                                           cut_off: dict[str, Any], back_at: float,
                                           writer_cut_off: bool) -> None:
@@ -207,22 +226,12 @@ def test_c10d_a_node_cut_off_rejoins_when_back_scaling_the_lr(
         hosts.wait_for_step(log, world=2, min_step=15, timeout=TIMEOUT, nodes=nodes)
         before = survivor_pids(nodes[0])
         writer_frozen = writer_of(nodes) is nodes[1]
-        victim = bed.host("node-b")
-        frozen_at = victim.freeze() if fault == "freeze" else victim.cable_down()
-        cut_off = log.wait(lambda e: e["event"] == "recovery" and e["time"] > frozen_at,
-                           "the survivor's recovery", TIMEOUT, nodes)
-        hosts.wait_for_step(log, world=1, min_step=cut_off["step"] + 3, timeout=TIMEOUT,
-                            nodes=nodes)
-        thawed_at = victim.thaw() if fault == "freeze" else victim.cable_up()
-        hosts.wait_for_world(log, 2, after=thawed_at, timeout=TIMEOUT, nodes=nodes)
+        cut_off, _, thawed_at = cut_off_and_back(bed.host("node-b"), fault, log, nodes, 3)
         assert survivor_pids(nodes[0]) == before
         assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
     finally:
         for node in nodes:
             node.stop()
-    assert (cut_off["kind"], cut_off["cause"], cut_off["world_size"]) == \
-        ("live", "node lost", 1), cut_off
-    assert cut_off["time"] - frozen_at < NOT_BY_THE_LEASE, cut_off
     events = check_the_log(run_dir)
     assert_scaled_lr(events)
     assert [e["event"] for e in events].count("start") == 1
@@ -253,21 +262,12 @@ def test_a_hand_written_loop_on_two_hosts_survives_a_pulled_cable_in_place(
     try:
         hosts.wait_for_step(log, world=2, min_step=20, timeout=TIMEOUT, nodes=nodes)
         before = survivor_pids(nodes[0])
-        pulled_at = bed.host("node-b").cable_down()
-        cut_off = log.wait(lambda e: e["event"] == "recovery" and e["time"] > pulled_at,
-                           "node-a's recovery", TIMEOUT, nodes)
-        hosts.wait_for_step(log, world=1, min_step=cut_off["step"] + 5, timeout=TIMEOUT,
-                            nodes=nodes)
-        back_at = bed.host("node-b").cable_up()
-        hosts.wait_for_world(log, 2, after=back_at, timeout=TIMEOUT, nodes=nodes)
+        cut_off_and_back(bed.host("node-b"), "cable", log, nodes, 5)
         assert survivor_pids(nodes[0]) == before
         assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
     finally:
         for node_ in nodes:
             node_.stop()
-    assert (cut_off["kind"], cut_off["cause"], cut_off["world_size"]) == \
-        ("live", "node lost", 1), cut_off
-    assert cut_off["time"] - pulled_at < NOT_BY_THE_LEASE, cut_off
     names = [e["event"] for e in log.read()]
     assert names.count("start") == 1 and "checkpoint_loaded" not in names, names
     assert_each_sample_once_in_order(run_dir, steps)
@@ -291,7 +291,7 @@ def test_c10d_the_stores_host_cut_off_ends_the_other_node_with_one_line(
              for h in (store, bed.host("node-b"))]
     log = EventLog(run_dir)
     try:
-        hosts.wait_for_step(log, world=2, min_step=15, timeout=TIMEOUT, nodes=nodes)
+        hosts.wait_for_step(log, world=2, min_step=5, timeout=TIMEOUT, nodes=nodes)
         pulled_at = store.cable_down()
         assert hosts.wait_all(nodes[1:], 30) == [1], hosts.report(nodes)
         ended = time.time() - pulled_at
