@@ -15,8 +15,11 @@ extended) never see.
   the failure detector cuts it off in seconds (its lease is 30 s); the cut-off side
   commits no plan and no checkpoint and trains no step of its old world once it is back;
   it rejoins in place.
-- c10d (``--batch-policy scale-lr``), a node frozen (every process SIGSTOPped) and thawed:
-  the same, with the LR and global batch following the world.
+- c10d (``--batch-policy scale-lr``), a node frozen (every process SIGSTOPped) and thawed,
+  or its cable pulled and put back: the same, with the LR and global batch following the
+  world; the store's host cut off: the other node ends with one line.
+- A worker SIGKILLed on another host: the world re-forms at the same size, and every
+  checkpoint and the final weights equal, bit for bit, a run never killed.
 
 Every scenario checks, from the recorded sample ids, that each epoch used each sample
 exactly once in the sampler's order despite the resizes (a step redone counts once), and
@@ -26,6 +29,8 @@ that the survivor's worker kept its process throughout.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -308,3 +313,37 @@ def test_c10d_the_stores_host_cut_off_ends_the_other_node_with_one_line(
         for node in nodes:
             node.stop()
     assert ended < 20, ended
+
+
+def test_a_worker_killed_on_another_host_ends_bitwise_equal_to_a_run_never_killed(
+        netbed: Factory, tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
+    """The world size returns at once: node-b's worker (rank 1) is SIGKILLed on its host, its
+    agent starts it again and the world re-forms in place across the hosts, at 2. Every
+    checkpoint and the final weights equal, bit for bit, those of the same job trained
+    without interruption on one host (harness.TINY_DROPOUT, 2 workers: the data order, the
+    dropout and gloo's sum for 2 ranks do not depend on where the ranks run)."""
+    bed = netbed(["node-a", "node-b"], etcd=True)
+    run_dir = tmp_path / "run"
+    job = [*harness.TINY_DROPOUT, "--checkpoint-every", "5", "--keep-checkpoints",
+           str(harness.TINY_DROPOUT_STEPS), "--log-every", "20", "--metrics-port", "0"]
+    nodes = [hosts.start_node(h, run_dir, [*hosts.etcd_v3(bed, h, "exact", nnodes="2"),
+                                           *job])
+             for h in (bed.host("node-a"), bed.host("node-b"))]
+    log = EventLog(run_dir)
+    try:
+        hosts.wait_for_step(log, world=2, min_step=12, timeout=TIMEOUT, nodes=nodes)
+        rank1 = next(node for node in nodes if 1 in harness.workers_of(node.proc.pid))
+        killed = harness.workers_of(rank1.proc.pid)[1]
+        os.kill(killed, signal.SIGKILL)
+        recovery = log.wait(lambda e: e["event"] == "recovery", "the recovery", TIMEOUT,
+                            nodes)
+        assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+    assert (recovery["kind"], recovery["failed_ranks"], recovery["world_size"]) == \
+        ("live", [1], 2), recovery
+    assert harness.final_digest(run_dir) == \
+        tiny_dropout_reference[harness.TINY_DROPOUT_STEPS]
+    for row in harness.checkpoint_listing(run_dir):
+        assert row["model_digest"] == tiny_dropout_reference[row["step"]], row
