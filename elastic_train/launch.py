@@ -251,8 +251,10 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
         join_timeout = float(parse_rdzv_conf(args.rdzv_conf).get("join_timeout", 600))
     except ValueError:
         join_timeout = 600.0  # torch's handler refuses it itself
-    with live_agent_installed(recovery, listen_host, spare, peer_seconds, join_timeout), \
-            rendezvous_store_on_loopback():
+    min_nodes = int(str(args.nnodes).split(":")[0]) if str(args.nnodes).split(":")[0] \
+        .isdigit() else 1
+    with live_agent_installed(recovery, listen_host, spare, peer_seconds, join_timeout,
+                              min_nodes), rendezvous_store_on_loopback():
         _launch_agent(args, job_args, worker_start, script)
 
 

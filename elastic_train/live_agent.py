@@ -344,6 +344,9 @@ class LiveRecoveryAgent(LocalElasticAgent):
     peer_timeout = DETECTOR_TIMEOUT
     """Seconds a peer may be unheard before it is suspected (failure_detector.py; 0: no
     detector); set by ``live_agent_installed`` (``--peer-timeout``)."""
+    min_nodes = 1
+    """The job's minimum of nodes (``--nnodes MIN:MAX``): a world is never re-formed in
+    place with fewer; set by ``live_agent_installed``."""
     store_lost_seconds = C10D_JOIN_TIMEOUT
     """How long a c10d node whose store went silent waits for it to answer again (a
     cut-off node whose cable comes back rejoins) before it ends with one line: the
@@ -768,6 +771,12 @@ class LiveRecoveryAgent(LocalElasticAgent):
             time.sleep(0.005)
         plan = plan_reformation(base, arrivals, self.address, generation=generation,
                                 detected_at=detected_at)
+        if plan is not None and len(plan.members) < self.min_nodes:
+            log.warning("%d node(s) left, fewer than the job's minimum (--nnodes %d:...): "
+                        "the world is not re-formed in place; every node restarts from the "
+                        "newest checkpoint once enough nodes are there", len(plan.members),
+                        self.min_nodes)
+            plan = None
         if plan is None:
             self._node_store.set(plan_key(generation), RESTART)
             return RESTART
@@ -947,7 +956,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
 @contextlib.contextmanager
 def live_agent_installed(recovery: str, listen_host: str | None = None,
                          hot_spare: bool = False, peer_timeout: float = DETECTOR_TIMEOUT,
-                         store_lost_seconds: float = C10D_JOIN_TIMEOUT) -> Iterator[None]:
+                         store_lost_seconds: float = C10D_JOIN_TIMEOUT, min_nodes: int = 1
+                         ) -> Iterator[None]:
     """Make torch's launcher run ``LiveRecoveryAgent`` (for ``elastic-train run``)."""
     from torch.distributed.launcher import api
 
@@ -957,6 +967,7 @@ def live_agent_installed(recovery: str, listen_host: str | None = None,
     LiveRecoveryAgent.hot_spare = hot_spare
     LiveRecoveryAgent.peer_timeout = peer_timeout
     LiveRecoveryAgent.store_lost_seconds = store_lost_seconds
+    LiveRecoveryAgent.min_nodes = min_nodes
     api.LocalElasticAgent = LiveRecoveryAgent  # type: ignore[misc]
     try:
         yield

@@ -46,6 +46,7 @@ from tests.integration.test_multinode import (
     BATCH,
     JOB,
     TIMEOUT,
+    assert_each_sample_once_in_order,
     assert_scaled_lr,
     check_the_log,
     first_recovery,
@@ -347,3 +348,37 @@ def test_a_worker_killed_on_another_host_ends_bitwise_equal_to_a_run_never_kille
         tiny_dropout_reference[harness.TINY_DROPOUT_STEPS]
     for row in harness.checkpoint_listing(run_dir):
         assert row["model_digest"] == tiny_dropout_reference[row["step"]], row
+
+
+def test_a_world_is_never_re_formed_below_the_jobs_minimum_of_nodes(
+        netbed: Factory, tmp_path: Path) -> None:
+    """``--nnodes 2:3``: a host killed leaves one node, fewer than the minimum. The survivor
+    does not train on alone (the job said it needs two nodes: a model may not fit one); it
+    takes the restart path, which waits for a second node, and once a new host joins the
+    world trains again at 2 from the newest checkpoint, each sample once per epoch."""
+    bed = netbed(["node-a", "node-b", "node-c"], etcd=True)
+    run_dir = tmp_path / "run"
+
+    def start(name: str) -> hosts.Node:
+        host = bed.host(name)
+        return hosts.start_node(host, run_dir, [
+            *hosts.etcd_v3(bed, host, "minimum", nnodes="2:3", conf=SLOW_LEASE), *JOB,
+            "--metrics-port", "0"])
+
+    nodes = [start("node-a"), start("node-b")]
+    log = EventLog(run_dir)
+    try:
+        hosts.wait_for_step(log, world=2, min_step=12, timeout=TIMEOUT, nodes=nodes)
+        killed_at = bed.host("node-b").kill()
+        nodes[0].wait_for_line("fewer than the job's minimum", after=killed_at,
+                               timeout=TIMEOUT)
+        nodes.append(start("node-c"))
+        hosts.wait_for_world(log, 2, after=killed_at, timeout=TIMEOUT, nodes=nodes)
+        assert hosts.wait_all([nodes[0], nodes[2]], TIMEOUT) == [0, 0], hosts.report(nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+    events = log.read()
+    assert not [e for e in events if e["event"] == "step" and e["world_size"] == 1]
+    assert [e for e in events if e["event"] == "checkpoint_loaded" and e["time"] > killed_at]
+    assert_each_sample_once_in_order(run_dir)
