@@ -76,6 +76,22 @@ def writer_of(nodes: list[hosts.Node]) -> hosts.Node:
     raise AssertionError("no node hosts rank 0:\n" + hosts.report(nodes))
 
 
+def nothing_left(host: nb.Host, within: float) -> list[str]:
+    """The command lines of ``host``'s processes still there after ``within`` seconds
+    (those a process ended leave a moment later: its forkserver, its resource tracker)."""
+    deadline = time.monotonic() + within
+    while host.pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = []
+    for pid in host.pids():
+        try:
+            left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                        .decode(errors="replace")[:120])
+        except OSError:
+            continue
+    return left
+
+
 def claims(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((run_dir / "writers").iterdir())]
 
@@ -301,7 +317,8 @@ def test_c10d_the_stores_host_cut_off_ends_the_other_node_with_one_line(
         pulled_at = store.cable_down()
         assert hosts.wait_all(nodes[1:], 30) == [1], hosts.report(nodes)
         ended = time.time() - pulled_at
-        assert bed.host("node-b").pids() == []
+        left = nothing_left(bed.host("node-b"), within=5.0)
+        assert left == [], left  # workers, spare, forkserver, resource tracker: all gone
         last = nodes[1].lines()[-1][1].decode()
         assert last.startswith("elastic-train: error: the c10d rendezvous store of job "
                                "store-lost did not answer for 10 s (--rdzv-conf join_timeout): "
@@ -382,3 +399,44 @@ def test_a_world_is_never_re_formed_below_the_jobs_minimum_of_nodes(
     assert not [e for e in events if e["event"] == "step" and e["world_size"] == 1]
     assert [e for e in events if e["event"] == "checkpoint_loaded" and e["time"] > killed_at]
     assert_each_sample_once_in_order(run_dir)
+
+
+def test_a_false_suspicion_costs_a_re_formation_never_a_wrong_result(
+        netbed: Factory, tmp_path: Path) -> None:
+    """node-b's agent alone stops for 4 s (a long pause of the agent process; its worker
+    runs on), longer than --peer-timeout: node-a takes node-b for lost and re-forms alone.
+    When node-b's agent goes on, its plan is stale: it commits nothing, its worker (which
+    held the old world's state) is ended, and node-b rejoins in place. The job ends with
+    each sample once per epoch and nothing of the stale side committed."""
+    bed = netbed(["node-a", "node-b"], etcd=True)
+    run_dir = tmp_path / "run"
+    nodes = [hosts.start_node(h, run_dir, [*hosts.etcd_v3(bed, h, "pause", conf=SLOW_LEASE),
+                                           *JOB, "--metrics-port", "0"])
+             for h in (bed.host("node-a"), bed.host("node-b"))]
+    log = EventLog(run_dir)
+    agent_b = nodes[1].proc.pid
+    try:
+        hosts.wait_for_step(log, world=2, min_step=15, timeout=TIMEOUT, nodes=nodes)
+        before = survivor_pids(nodes[0])
+        writer_paused = writer_of(nodes) is nodes[1]
+        paused_at = time.time()
+        os.kill(agent_b, signal.SIGSTOP)
+        cut_off = log.wait(lambda e: e["event"] == "recovery" and e["time"] > paused_at,
+                           "node-a's recovery", TIMEOUT, nodes)
+        hosts.wait_for_step(log, world=1, min_step=cut_off["step"] + 2, timeout=TIMEOUT,
+                            nodes=nodes)
+        resumed_at = time.time()
+        os.kill(agent_b, signal.SIGCONT)
+        hosts.wait_for_world(log, 2, after=resumed_at, timeout=TIMEOUT, nodes=nodes)
+        assert survivor_pids(nodes[0]) == before
+        assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
+    finally:
+        if nodes[1].proc.poll() is None:
+            os.kill(agent_b, signal.SIGCONT)
+        for node in nodes:
+            node.stop()
+    assert (cut_off["kind"], cut_off["world_size"]) == ("live", 1), cut_off
+    events = check_the_log(run_dir)
+    assert [e["event"] for e in events].count("start") == 1
+    assert_cut_off_side_committed_nothing(run_dir, events, cut_off, resumed_at,
+                                          writer_cut_off=writer_paused)
