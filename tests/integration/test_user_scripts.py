@@ -68,13 +68,16 @@ KUBEFLOW = {"PET_NNODES": "1", "PET_RDZV_BACKEND": "c10d", "PET_MAX_RESTARTS": "
 
 
 def world(launcher: list[str], env: dict[str, str], tmp_path: Path, name: str) -> list[str]:
-    """The sorted ``world ...`` lines of print_world.py's workers under ``launcher``."""
+    """The sorted ``world ...`` lines of print_world.py's workers under ``launcher`` (from
+    the file each worker writes: their stdout lines may interleave)."""
     endpoint = {"PET_RDZV_ENDPOINT": f"127.0.0.1:{harness.free_ports()}"}
+    cwd = tmp_path / name
+    cwd.mkdir(parents=True)
     job = harness.start([*launcher, str(SCRIPTS / "print_world.py")], tmp_path / name,
-                        harness.job_env({**KUBEFLOW, **endpoint, **env}), cwd=tmp_path,
+                        harness.job_env({**KUBEFLOW, **endpoint, **env}), cwd=cwd,
                         log_name=name)
     assert job.wait(BOUND) == 0, job.report()
-    return sorted(line for line in job.output().splitlines() if line.startswith("world "))
+    return sorted(p.read_text().strip() for p in cwd.glob("world-*.txt"))
 
 
 @pytest.mark.parametrize("env", [{}, {"PET_RDZV_ID": "kf-job"}, {"PET_NPROC_PER_NODE": "2"},
