@@ -64,6 +64,16 @@ NOT_BY_THE_LEASE = 15.0
 """A loss seen sooner than this after the fault was not seen by a 30 s lease."""
 
 
+def job_node(bed: nb.Netbed, run_dir: Path, name: str, rdzv_id: str, nnodes: str = "1:2"
+             ) -> hosts.Node:
+    """A node of the built-in job (test_multinode's JOB) on host ``name``, etcd-v3 with a
+    30 s lease (SLOW_LEASE)."""
+    host = bed.host(name)
+    return hosts.start_node(host, run_dir, [
+        *hosts.etcd_v3(bed, host, rdzv_id, nnodes=nnodes, conf=SLOW_LEASE), *JOB,
+        "--metrics-port", "0"])
+
+
 def survivor_pids(node: hosts.Node) -> set[int]:
     return set(harness.workers_of(node.proc.pid).values())
 
@@ -116,9 +126,7 @@ def test_etcd_v3_a_killed_host_is_reformed_at_once_and_a_new_host_grows_it_back(
     run_dir = tmp_path / "run"
 
     def start(name: str) -> hosts.Node:
-        host = bed.host(name)
-        return hosts.start_node(host, run_dir, [
-            *hosts.etcd_v3(bed, host, "killed", conf=SLOW_LEASE), *JOB, "--metrics-port", "0"])
+        return job_node(bed, run_dir, name, "killed")
 
     nodes = [start("node-a"), start("node-b")]
     log = EventLog(run_dir)
@@ -196,9 +204,7 @@ def test_etcd_v3_the_writers_cable_pulled_and_put_back(netbed: Factory, tmp_path
                                                        ) -> None:
     bed = netbed(["node-a", "node-b"], etcd=True)
     run_dir = tmp_path / "run"
-    nodes = [hosts.start_node(h, run_dir, [*hosts.etcd_v3(bed, h, "cable", conf=SLOW_LEASE),
-                                           *JOB, "--metrics-port", "0"])
-             for h in (bed.host("node-a"), bed.host("node-b"))]
+    nodes = [job_node(bed, run_dir, name, "cable") for name in ("node-a", "node-b")]
     log = EventLog(run_dir)
     try:
         hosts.wait_for_step(log, world=2, min_step=15, timeout=TIMEOUT, nodes=nodes)
@@ -377,10 +383,7 @@ def test_a_world_is_never_re_formed_below_the_jobs_minimum_of_nodes(
     run_dir = tmp_path / "run"
 
     def start(name: str) -> hosts.Node:
-        host = bed.host(name)
-        return hosts.start_node(host, run_dir, [
-            *hosts.etcd_v3(bed, host, "minimum", nnodes="2:3", conf=SLOW_LEASE), *JOB,
-            "--metrics-port", "0"])
+        return job_node(bed, run_dir, name, "minimum", nnodes="2:3")
 
     nodes = [start("node-a"), start("node-b")]
     log = EventLog(run_dir)
@@ -410,9 +413,7 @@ def test_a_false_suspicion_costs_a_re_formation_never_a_wrong_result(
     each sample once per epoch and nothing of the stale side committed."""
     bed = netbed(["node-a", "node-b"], etcd=True)
     run_dir = tmp_path / "run"
-    nodes = [hosts.start_node(h, run_dir, [*hosts.etcd_v3(bed, h, "pause", conf=SLOW_LEASE),
-                                           *JOB, "--metrics-port", "0"])
-             for h in (bed.host("node-a"), bed.host("node-b"))]
+    nodes = [job_node(bed, run_dir, name, "pause") for name in ("node-a", "node-b")]
     log = EventLog(run_dir)
     agent_b = nodes[1].proc.pid
     try:
