@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.gpt import make_task
-from elastic_train.timeline import process_start_time
+from elastic_train.worker.timeline import process_start_time
 
 IMPORTED = time.time()
 

@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic_train.checkpoint.manager import CheckpointManager
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
-from elastic_train.distributed import Group
-from elastic_train.events import EventLog, read_events
+from elastic_train.observe.events import EventLog, read_events
 from elastic_train.tasks.gpt import GPT, PRESETS, GPTConfig
+from elastic_train.worker.distributed import Group
 
 MODELS: dict[str, tuple[GPTConfig, int]] = {
     # name: (shape, batch); 12 * n_layer * n_embd^2 parameters in the blocks

@@ -31,14 +31,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from elastic_train.config import parse_job_args
-from elastic_train.distributed import destroy_group, init_group
-from elastic_train.env import read_worker_env
-from elastic_train.metrics import WorkerMetrics
-from elastic_train.metrics_server import MetricsServer
+from elastic_train.observe.metrics import WorkerMetrics
+from elastic_train.observe.metrics_server import MetricsServer
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task
-from elastic_train.trainer import Trainer
+from elastic_train.worker.distributed import destroy_group, init_group
+from elastic_train.worker.env import read_worker_env
+from elastic_train.worker.trainer import Trainer
 
 DEFAULT_JOB = ["--preset", "tiny", "--batch-size", "16", "--checkpoint-every", "off"]
 

@@ -23,13 +23,13 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # These import torch; the launcher imports this package before torch (worker_start.py).
+    # These import torch; the launcher imports this package before torch (agent/worker_start.py).
     if name in ("Task", "TaskContext"):
         from elastic_train.tasks import base
 
         return getattr(base, name)
     if name == "ElasticSession":
-        from elastic_train.session import ElasticSession
+        from elastic_train.worker.session import ElasticSession
 
         return ElasticSession
     raise AttributeError(f"module 'elastic_train' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The ``elastic-train`` command: run a job, inspect and verify its checkpoints.
 
 torch is imported where a command needs it, not here: ``run`` starts its workers' server
-before this process imports torch (see worker_start.py).
+before this process imports torch (see agent/worker_start.py).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _report(argv: Sequence[str]) -> int:
                         help="only the summary (no matplotlib needed)")
     ns = parser.parse_args(list(argv))
     _check_run_dir(ns.run_dir)
-    from elastic_train.report import write_report
+    from elastic_train.observe.report import write_report
 
     report = write_report(ns.run_dir, ns.output, ns.run_id, plot=not ns.no_plot)
     print(report.text, end="")
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"elastic-train {__version__}")
             return 0
         if command == "run":
-            from elastic_train.launch import main as launch_main
+            from elastic_train.agent.launch import main as launch_main
 
             return launch_main(rest)
         if command == "checkpoints":

@@ -36,7 +36,7 @@ import torch, torch.distributed as dist
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available "
       f"{torch.cuda.is_available()}, devices {torch.cuda.device_count()}, "
       f"nccl {dist.is_nccl_available()} {torch.cuda.nccl.version() if dist.is_nccl_available() else ''}")
-import elastic_train, elastic_train.launch, elastic_train.live_agent, prometheus_client, safetensors
+import elastic_train, elastic_train.agent.launch, elastic_train.agent.live_agent, prometheus_client, safetensors
 print("elastic_train imports: ok")
 PY
     # What the forkserver's preload does to CUDA, module by module, in a fresh process:
@@ -44,7 +44,7 @@ PY
     # to fork after), torch's own CUDA state initialised.
     "$PY" - <<'PY'
 import importlib, os
-from elastic_train.worker_start import PRELOAD
+from elastic_train.agent.worker_start import PRELOAD
 def driver_files():
     fds = []
     for fd in os.listdir("/proc/self/fd"):

@@ -6,7 +6,7 @@ writes it (storage.py) on a background thread, at most one in flight. A failed w
 (disk full, permissions) is logged at once, counted and recorded as ``checkpoint_failed``;
 the checkpoints already on disk stay. What follows is the job's ``--on-save-failure``
 policy: ``continue`` tries again at the next due step, ``stop`` leaves the failure in
-``failed``, and every rank stops at the next step (stop.py, trainer.py). The final
+``failed``, and every rank stops at the next step (stop.py, worker/trainer.py). The final
 checkpoint is persisted in the foreground, so a run never ends without it.
 
 Restore is the same on every rank and in the same order: rank 0 removes leftovers of torn
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from elastic_train import distributed
 from elastic_train.checkpoint.fence import WriterFence, superseded
 from elastic_train.checkpoint.persister import BackgroundPersister
 from elastic_train.checkpoint.snapshot import (
@@ -44,7 +43,6 @@ from elastic_train.checkpoint.storage import (
     tensor_shapes,
 )
 from elastic_train.config import CheckpointConfig
-from elastic_train.distributed import Group
 from elastic_train.errors import (
     CheckpointError,
     CheckpointFencedError,
@@ -52,7 +50,7 @@ from elastic_train.errors import (
     CheckpointWriteError,
     ElasticTrainError,
 )
-from elastic_train.event_schema import (
+from elastic_train.observe.event_schema import (
     CheckpointDeleted,
     CheckpointFailed,
     CheckpointFenced,
@@ -62,7 +60,9 @@ from elastic_train.event_schema import (
     CheckpointSkipped,
     CheckpointWaited,
 )
-from elastic_train.events import EventLog
+from elastic_train.observe.events import EventLog
+from elastic_train.worker import distributed
+from elastic_train.worker.distributed import Group
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ must not sit in torch's 30 s last call (``RDZV_DEFAULTS``); what the user gives 
 ``etcd-v3`` backend's own options and their checks are in options.py, which takes its
 last-call default from here.
 
-Free of torch imports: the launcher imports this before it imports torch (worker_start.py).
+Free of torch imports: the launcher imports this before it imports torch (agent/worker_start.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One actionable line for the rendezvous errors torch raises without a message.
 
 torch is imported when a line is asked for, not at load: the launcher imports this before
-it imports torch (worker_start.py).
+it imports torch (agent/worker_start.py).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _BackendRendezvousStateHolder,
 )
 
-from elastic_train.agent_env import set_rendezvous_seconds
+from elastic_train.agent.environment import set_rendezvous_seconds
 from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend
 from elastic_train.rendezvous.client import KV, EtcdKV, EtcdUnreachableError
 from elastic_train.rendezvous.lease import SharedLease

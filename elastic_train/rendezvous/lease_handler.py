@@ -53,7 +53,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from elastic_train.agent_env import set_rendezvous_seconds
+from elastic_train.agent.environment import set_rendezvous_seconds
 from elastic_train.rendezvous.backend import BACKEND_NAME
 from elastic_train.rendezvous.client import (
     KV,

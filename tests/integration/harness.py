@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_train import cli
-from elastic_train.env import RENDEZVOUS_SECONDS
-from elastic_train.events import read_events
+from elastic_train.live.environment import RENDEZVOUS_SECONDS
+from elastic_train.observe.events import read_events
 from elastic_train.rundir import EVENTS_FILE
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.live_recovery import live_needs_our_agent
+from elastic_train.worker.live_world import live_needs_our_agent
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.hot_spare import DELAY as SPARE_DELAY
-from elastic_train.report import write_report
+from elastic_train.live.spare import DELAY as SPARE_DELAY
+from elastic_train.observe.report import write_report
 from tests.integration import harness
 from tests.integration.harness import TINY_DROPOUT, TINY_DROPOUT_STEPS
 

@@ -15,9 +15,9 @@ import safetensors.torch
 
 from elastic_train import cli
 from elastic_train.checkpoint.storage import model_digest
-from elastic_train.events import read_events
-from elastic_train.live_recovery import live_needs_our_agent
+from elastic_train.observe.events import read_events
 from elastic_train.rundir import EVENTS_FILE
+from elastic_train.worker.live_world import live_needs_our_agent
 from tests.integration import harness, prom
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elastic_train import launch
+from elastic_train.agent import launch
 from elastic_train.errors import RendezvousUnavailableError
 from elastic_train.rendezvous.handler import connect
 from elastic_train.rendezvous.options import EtcdV3Options

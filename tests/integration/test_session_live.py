@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from elastic_train.hot_spare import DELAY as SPARE_DELAY
-from elastic_train.sampler import epoch_order
-from elastic_train.session import LIVE_NEEDS_WRAP
+from elastic_train.live.spare import DELAY as SPARE_DELAY
+from elastic_train.worker.sampler import epoch_order
+from elastic_train.worker.session import LIVE_NEEDS_WRAP
 from tests.etcd_server import free_port
 from tests.integration import harness
 

@@ -1,4 +1,4 @@
-"""Unit tests of the agent's side of the environment (agent_env.py): torchrun's ``PET_*``
+"""Unit tests of the agent's side of the environment (agent/environment.py): torchrun's ``PET_*``
 defaults, the defaults the launcher sets, and values handed to the workers it starts next."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train import agent_env
-from elastic_train.env import RENDEZVOUS_SECONDS, WORKER_ENV_FILE, read_worker_env
+from elastic_train.agent import environment as agent_env
+from elastic_train.live.environment import RENDEZVOUS_SECONDS, WORKER_ENV_FILE
+from elastic_train.worker.env import read_worker_env
 
 
 def test_option_defaults_come_from_pet_variables(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,10 +13,10 @@ from elastic_train.checkpoint.fence import Claim, WriterFence, superseded
 from elastic_train.checkpoint.manager import CheckpointManager
 from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 from elastic_train.config import CheckpointConfig
-from elastic_train.distributed import Group
 from elastic_train.errors import CheckpointFencedError
-from elastic_train.events import EventLog, read_events
+from elastic_train.observe.events import EventLog, read_events
 from elastic_train.rundir import RunDir
+from elastic_train.worker.distributed import Group
 
 GROUP = Group(0, 1, "gloo", torch.device("cpu"))
 

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic_train.config import MetricsConfig
-from elastic_train.env import WorkerEnv
-from elastic_train.metrics import WorkerMetrics
+from elastic_train.observe.metrics import WorkerMetrics
+from elastic_train.worker.env import WorkerEnv
 from tests.integration.prom import tool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

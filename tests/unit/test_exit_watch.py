@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elastic_train.exit_watch import ExitWatch
+from elastic_train.agent.exit_watch import ExitWatch
 
 pytestmark = pytest.mark.skipif(not ExitWatch.available(), reason="no pidfds here")
 

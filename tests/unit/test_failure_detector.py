@@ -1,4 +1,4 @@
-"""failure_detector.py: the suspicion rule (pure), and real heartbeats over UDP on loopback
+"""agent/failure_detector.py: the suspicion rule (pure), and real heartbeats over UDP on loopback
 between this process and a peer process that is frozen (SIGSTOP) and thawed."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from elastic_train.failure_detector import Peer, PeerHeartbeats, Suspicion, successors
+from elastic_train.agent.failure_detector import Peer, PeerHeartbeats, Suspicion, successors
 
 PEER = """
 import sys, time
-from elastic_train.failure_detector import PeerHeartbeats
+from elastic_train.agent.failure_detector import PeerHeartbeats
 beats = PeerHeartbeats("127.0.0.1", interval=0.05, timeout=0.5)
 print(beats.port, flush=True)
 sys.stdin.read()  # until the test closes it
@@ -118,7 +118,7 @@ def test_anything_but_our_json_is_ignored_and_pings_are_answered():
 
 
 def test_the_launcher_takes_a_peer_timeout_of_zero_or_of_two_pings_at_least():
-    from elastic_train.launch import launcher_parser
+    from elastic_train.agent.launch import launcher_parser
 
     parser = launcher_parser()
     assert parser.parse_args([]).peer_timeout == 1.5

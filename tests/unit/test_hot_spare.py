@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_train import hot_spare
-from elastic_train.hot_spare import SPARE, assign, take_place, wait_for_place
+from elastic_train.live import spare as hot_spare
+from elastic_train.live.spare import SPARE, assign, take_place, wait_for_place
 
 
 @pytest.fixture

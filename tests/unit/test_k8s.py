@@ -19,9 +19,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from elastic_train.agent.launch import launcher_parser, torchrun_argv
+from elastic_train.agent.launch_options import resolve
 from elastic_train.config import parse_job_args
-from elastic_train.launch import launcher_parser, torchrun_argv
-from elastic_train.launch_options import resolve
 from elastic_train.rendezvous.config import parse_rdzv_conf
 from elastic_train.rendezvous.options import EtcdV3Options
 from tests import k8s_model, kustomize, tools

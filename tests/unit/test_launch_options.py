@@ -11,12 +11,12 @@ import os
 import pytest
 from torch.distributed import run as torchrun
 
-from elastic_train import launch_options
-from elastic_train.agent_env import torchrun_environment
-from elastic_train.agent_logs import GlobalRankFilter, remember_ranks
+from elastic_train.agent import launch_options
+from elastic_train.agent.environment import torchrun_environment
+from elastic_train.agent.launch import launcher_parser, script_command, torchrun_argv
+from elastic_train.agent.launch_options import REFUSED, resolve
+from elastic_train.agent.logs import GlobalRankFilter, remember_ranks
 from elastic_train.errors import ConfigError
-from elastic_train.launch import launcher_parser, script_command, torchrun_argv
-from elastic_train.launch_options import REFUSED, resolve
 
 # Defaults of ours that differ from torchrun's, each for a reason said in --help.
 DIFFERENT_DEFAULTS = {
@@ -69,7 +69,7 @@ def test_torchruns_defaults_are_the_installed_ones() -> None:
 
 def test_a_refused_option_is_one_line_with_exit_2(monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from elastic_train.launch import main
+    from elastic_train.agent.launch import main
 
     monkeypatch.setitem(REFUSED, "--fancy", "no such thing here: use --plain")
     assert main(["--fancy", "x", "train.py"]) == 2
@@ -175,7 +175,7 @@ def test_a_script_reaches_torchrun_through_our_runner_with_every_option() -> Non
     assert (args.role, args.local_ranks_filter, args.master_port) == ("trainer", "0", 29512)
     assert (args.event_log_handler, args.signals_to_handle) == ("console", "SIGTERM")
     assert args.virtual_local_rank and (args.redirects, args.tee) == ("3", "1")
-    assert args.module and args.training_script == "elastic_train.script_worker"
+    assert args.module and args.training_script == "elastic_train.worker.script_worker"
     assert args.training_script_args == ["-m", "pkg.train", "--lr", "1"]
 
 

@@ -1,5 +1,5 @@
 """Live recovery across nodes, the pure and store-level parts: who is in a generation
-(live_plan.py), and how agents call each other and commit plans (live_peers.py), against
+(live/plan.py), and how agents call each other and commit plans (live/peers.py), against
 real TCPStores. The agents themselves, with real kills, are in
 tests/integration/test_multinode.py and test_live_recovery.py."""
 
@@ -12,7 +12,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_train.live_peers import (
+from elastic_train.live.messages import Announcement
+from elastic_train.live.peers import (
     PROBE_SECONDS,
     PeerStores,
     commit_plan,
@@ -20,8 +21,7 @@ from elastic_train.live_peers import (
     reachable,
     take_over,
 )
-from elastic_train.live_plan import FRESH, LIVE, Arrival, Member, Plan, plan_reformation, plan_round
-from elastic_train.live_recovery import Announcement
+from elastic_train.live.plan import FRESH, LIVE, Arrival, Member, Plan, plan_reformation, plan_round
 
 A, B, C = "host-a:1", "host-b:2", "host-c:3"
 
@@ -189,7 +189,7 @@ def test_a_dead_agent_refuses_at_once_and_a_live_one_takes_the_call() -> None:
 
 SILENT_AGENT_CALL = """
 import socket, sys, time
-from elastic_train.live_peers import PeerStores
+from elastic_train.live.peers import PeerStores
 from elastic_train.process_exit import exit_process
 silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel), never answers
 start = time.monotonic()

@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from elastic_train import distributed
-from elastic_train.distributed import CollectiveAborted
-from elastic_train.env import WorkerEnv
-from elastic_train.hot_spare import DELAY as SPARE_DELAY
-from elastic_train.hot_spare import SPARE, place_key
-from elastic_train.live_agent import PerWorkerProcesses
-from elastic_train.metrics import WorkerMetrics
-from elastic_train.summary import summarize
+from elastic_train.agent.live_agent import PerWorkerProcesses
+from elastic_train.live.messages import store_prefix
+from elastic_train.live.spare import DELAY as SPARE_DELAY
+from elastic_train.live.spare import SPARE, place_key
+from elastic_train.observe.metrics import WorkerMetrics
+from elastic_train.observe.summary import summarize
+from elastic_train.worker import distributed
+from elastic_train.worker.distributed import CollectiveAborted
+from elastic_train.worker.env import WorkerEnv
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +60,7 @@ def test_the_collectives_own_error_reaches_the_waiter() -> None:
 
 
 def test_incarnations_have_their_own_store_prefix() -> None:
-    assert distributed.store_prefix("job", 2) == "elastic_train/job/restart-2"
+    assert store_prefix("job", 2) == "elastic_train/job/restart-2"
 
 
 def test_only_a_failed_collective_asks_the_agents_to_re_form() -> None:
@@ -283,7 +284,7 @@ def metrics_node(registry: CollectorRegistry) -> str:
 
 def test_live_workers_keep_their_process_on_an_nccl_error_unless_the_job_says_otherwise(
 ) -> None:
-    from elastic_train.live_agent import live_worker_env
+    from elastic_train.agent.live_agent import live_worker_env
 
     torch_env = {"RANK": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # what torch's agent sets
     env = live_worker_env(torch_env, "127.0.0.1:5000", agent_env={})

@@ -18,11 +18,15 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from elastic_train.config import JobConfig, MetricsConfig
-from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import MetricsError
-from elastic_train.events import EventLog, previous_incarnation, read_events
-from elastic_train.metrics import WorkerMetrics, check_single_process_mode
-from elastic_train.metrics_server import MetricsServer, check_ports_free, serve_worker_metrics
+from elastic_train.observe.events import EventLog, previous_incarnation, read_events
+from elastic_train.observe.metrics import WorkerMetrics, check_single_process_mode
+from elastic_train.observe.metrics_server import (
+    MetricsServer,
+    check_ports_free,
+    serve_worker_metrics,
+)
+from elastic_train.worker.env import WorkerEnv, read_worker_env
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -179,12 +183,13 @@ WORKER = """
 import sys, threading
 from prometheus_client import REGISTRY
 before = set(REGISTRY._names_to_collectors)
-import elastic_train.metrics, elastic_train.metrics_server, elastic_train.progress
-import elastic_train.report, elastic_train.train
+import elastic_train.observe.metrics, elastic_train.observe.metrics_server
+import elastic_train.observe.progress
+import elastic_train.observe.report, elastic_train.worker.train
 assert set(REGISTRY._names_to_collectors) == before, "an import registered metrics"
 assert threading.active_count() == 1, threading.enumerate()
 assert "matplotlib" not in sys.modules
-sys.exit(elastic_train.train.main(sys.argv[1:]))
+sys.exit(elastic_train.worker.train.main(sys.argv[1:]))
 """
 
 
@@ -320,13 +325,13 @@ def test_an_observer_that_raises_is_logged_once_and_stops_nothing(
 
     seen: list[dict[str, Any]] = []
     log = EventLog(tmp_path / "events.jsonl", observers=[broken, seen.append])
-    with caplog.at_level("WARNING", logger="elastic_train.events"):
+    with caplog.at_level("WARNING", logger="elastic_train.observe.events"):
         log.emit_raw("step", step=1, loss=2.0)
         log.emit_raw("step", step=2, loss=1.0)
     log.close()
     assert [r["step"] for r in seen] == [1, 2]
     assert [r["step"] for r in read_events(tmp_path / "events.jsonl")] == [1, 2]
-    errors = [r for r in caplog.records if r.name == "elastic_train.events"]
+    errors = [r for r in caplog.records if r.name == "elastic_train.observe.events"]
     assert len(errors) == 1 and "broken" in errors[0].getMessage()
     assert errors[0].exc_info is not None and "outside world" in str(errors[0].exc_info[1])
 

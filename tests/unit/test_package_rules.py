@@ -1,9 +1,12 @@
 """Rules of the package's shape that a reader relies on, checked on its source (ast).
 
-- Collectives are made in distributed.py only (every rank must reach them in the same
+- Collectives are made in worker/distributed.py only (every rank must reach them in the same
   order: that is reviewable only if they sit in one place).
 - The run directory's layout is spelled in rundir.py only.
-- The worker's protocol lives in runtime.py, which knows neither of its two loops.
+- The worker's protocol lives in worker/runtime.py, which knows neither of its two loops.
+- The two processes stay apart: ``worker/`` imports nothing of ``agent/``; ``agent/``
+  imports of ``worker/`` only what it launches (the entrypoints) and the environment reader
+  it checks before launching; ``live/``, the contract both share, imports neither.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def imported_modules(tree: ast.AST) -> set[str]:
 
 @pytest.mark.parametrize("path", SOURCES, ids=[relative(p) for p in SOURCES])
 def test_collectives_are_made_in_distributed_only(path: Path) -> None:
-    if relative(path) == "distributed.py":
+    if relative(path) == "worker/distributed.py":
         return
     assert collective_calls(ast.parse(path.read_text())) == [], relative(path)
 
@@ -84,9 +87,50 @@ def test_the_checks_find_what_they_look_for() -> None:
 
 
 def test_the_runtime_knows_neither_of_its_loops_and_only_they_use_it() -> None:
-    runtime = imported_modules(ast.parse((PACKAGE / "runtime.py").read_text()))
+    runtime = imported_modules(ast.parse((PACKAGE / "worker/runtime.py").read_text()))
     for upper in ("trainer", "session", "train", "cli", "launch", "metrics", "progress"):
         assert f"elastic_train.{upper}" not in runtime, upper
     users = {relative(p) for p in SOURCES
-             if "elastic_train.runtime" in imported_modules(ast.parse(p.read_text()))}
-    assert users == {"trainer.py", "session.py"}
+             if "elastic_train.worker.runtime" in imported_modules(ast.parse(p.read_text()))}
+    assert users == {"worker/trainer.py", "worker/session.py"}
+
+
+def package_imports(folder: str) -> dict[str, set[str]]:
+    """{file under elastic_train/FOLDER: the elastic_train modules it imports}."""
+    return {relative(p): {m for m in imported_modules(ast.parse(p.read_text()))
+                          if m.startswith("elastic_train.")}
+            for p in SOURCES if relative(p).startswith(f"{folder}/")}
+
+
+def reaching(folder: str, into: str) -> list[str]:
+    return sorted(f"{source} imports {module}"
+                  for source, modules in package_imports(folder).items()
+                  for module in modules if module.startswith(f"elastic_train.{into}."))
+
+
+AGENT_MAY_IMPORT_FROM_WORKER = {
+    "elastic_train.worker.train", "elastic_train.worker.script_worker",  # what it launches
+    "elastic_train.worker.env",  # the environment its workers will read, checked first
+}
+
+
+def test_the_worker_imports_nothing_of_the_agent() -> None:
+    assert reaching("worker", "agent") == []
+
+
+def test_the_agent_imports_of_the_worker_only_what_it_launches() -> None:
+    found = [line for line in reaching("agent", "worker")
+             if not any(line.endswith(f" imports {m}") or f" imports {m}." in line
+                        for m in AGENT_MAY_IMPORT_FROM_WORKER)]
+    assert found == []
+
+
+@pytest.mark.parametrize("side", ["agent", "worker"])
+def test_the_live_contract_imports_neither_side(side: str) -> None:
+    assert reaching("live", side) == []
+
+
+def test_the_layering_checks_see_the_packages() -> None:
+    assert package_imports("agent") and package_imports("worker") and package_imports("live")
+    assert "elastic_train.worker.train" in {m for ms in package_imports("agent").values()
+                                            for m in ms}

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 import pytest
 
-from elastic_train.progress import Progress, format_eta, is_terminal
+from elastic_train.observe.progress import Progress, format_eta, is_terminal
 
 
 def step(n: int, time: float, loss: float = 2.0, **extra: Any) -> dict[str, Any]:

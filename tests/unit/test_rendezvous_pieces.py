@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from torch.distributed.elastic import metrics
 
-from elastic_train.batching import plan_batch
-from elastic_train.env import RENDEZVOUS_SECONDS, read_worker_env
 from elastic_train.errors import ConfigError, RendezvousConfigError
-from elastic_train.events import EventLog, previous_incarnation, read_events_backwards
+from elastic_train.live.environment import RENDEZVOUS_SECONDS
+from elastic_train.observe.events import EventLog, previous_incarnation, read_events_backwards
+from elastic_train.observe.summary import summarize
 from elastic_train.rendezvous import timing
 from elastic_train.rendezvous.client import Endpoint, _reason
 from elastic_train.rendezvous.config import (
@@ -29,7 +29,8 @@ from elastic_train.rendezvous.failures import rendezvous_failure_line
 from elastic_train.rendezvous.heartbeat import check_keep_alive, check_keep_alive_conf
 from elastic_train.rendezvous.lease import SharedLease
 from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
-from elastic_train.summary import summarize
+from elastic_train.worker.batching import plan_batch
+from elastic_train.worker.env import read_worker_env
 from tests.memory_kv import MemoryKV
 
 # --- --rdzv-endpoint and --rdzv-conf of etcd-v3 -------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 
 from elastic_train import cli
 from elastic_train.errors import ReportError
-from elastic_train.report import timeline, write_report
+from elastic_train.observe.report import timeline, write_report
 
 
 def records() -> list[dict[str, Any]]:

@@ -20,12 +20,12 @@ from torch import nn
 
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
-from elastic_train.distributed import Group
-from elastic_train.env import WorkerEnv
 from elastic_train.errors import CheckpointFencedError, CheckpointStopError, NodeStoppedError
-from elastic_train.events import EventLog, read_events
+from elastic_train.observe.events import EventLog, read_events
 from elastic_train.rundir import RunDir
-from elastic_train.runtime import GO_ON, Vote, WorkerRuntime
+from elastic_train.worker.distributed import Group
+from elastic_train.worker.env import WorkerEnv
+from elastic_train.worker.runtime import GO_ON, Vote, WorkerRuntime
 
 GROUP = Group(rank=0, world_size=1, backend="gloo", device=torch.device("cpu"))
 
@@ -272,9 +272,9 @@ def test_a_new_rank_after_a_reformation_is_passed_on_and_the_same_rank_is_not(
 
 
 def test_a_world_re_formed_in_a_new_round_is_said_without_an_unknown_rank():
-    from elastic_train.distributed import Group
-    from elastic_train.live_recovery import Failure
-    from elastic_train.runtime import Rejoined, _recovery_line
+    from elastic_train.worker.distributed import Group
+    from elastic_train.worker.live_world import Failure
+    from elastic_train.worker.runtime import Rejoined, _recovery_line
 
     rejoined = Rejoined(Group(0, 1, "gloo", torch.device("cpu")), 104, 1, 0, 0)
     line = _recovery_line(Failure([], None, "new round"), 2, 1, 1, rejoined)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from elastic_train.sampler import (
+from elastic_train.worker.sampler import (
     ElasticBatchSampler,
     GlobalBatch,
     ResumableSampler,

@@ -1,5 +1,5 @@
-"""A user's script as a worker (script_worker.py): its exit status, module mode, how the
-process ends, and the groups it destroys kept until then (distributed.py)."""
+"""A user's script as a worker (worker/script_worker.py): its exit status, module mode, how the
+process ends, and the groups it destroys kept until then (worker/distributed.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elastic_train import distributed
-from elastic_train.script_worker import main
+from elastic_train.worker import distributed
+from elastic_train.worker.script_worker import main
 
 
 def test_destroyed_groups_are_kept_while_a_script_runs(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    # the private name this relies on (behind distributed.py's seam), in the installed torch
+    # the private name this relies on (behind worker/distributed.py's seam), in the installed torch
     assert isinstance(dist.distributed_c10d._world.pg_map, Mapping)
     monkeypatch.setattr(distributed, "_retained", [])
     original = dist.destroy_process_group
@@ -54,12 +54,12 @@ def test_the_status_is_the_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def test_a_subprocess_worker_ends_as_python_would(tmp_path: Path) -> None:
     """argv, the script's directory on sys.path, atexit handlers run, output flushed,
-    the script's status (``python -m elastic_train.script_worker`` ends with os._exit)."""
+    the script's status (``python -m elastic_train.worker.script_worker`` ends with os._exit)."""
     path = script(tmp_path, "import atexit, sys\n"
                             "atexit.register(lambda: print('atexit ran'))\n"
                             f"print(sys.argv, sys.path[0] == {str(tmp_path)!r}, end=' ')\n"
                             "sys.exit(7)\n")
-    done = subprocess.run([sys.executable, "-m", "elastic_train.script_worker", str(path),
+    done = subprocess.run([sys.executable, "-m", "elastic_train.worker.script_worker", str(path),
                            "--lr", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 7, done.stderr
     assert done.stdout == f"[{str(path)!r}, '--lr', '1'] True atexit ran\n"
@@ -70,7 +70,7 @@ def test_a_module_runs_as_main(tmp_path: Path) -> None:
     (tmp_path / "user_pkg" / "__init__.py").write_text("")
     (tmp_path / "user_pkg" / "train.py").write_text(
         "import sys\nprint(__name__, sys.argv[1:])\nsys.exit(4)\n")
-    done = subprocess.run([sys.executable, "-m", "elastic_train.script_worker", "-m",
+    done = subprocess.run([sys.executable, "-m", "elastic_train.worker.script_worker", "-m",
                            "user_pkg.train", "x"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert (done.returncode, done.stdout) == (4, "__main__ ['x']\n"), done.stderr

@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic_train.batching import global_batch
 from elastic_train.checkpoint.storage import CheckpointStore, model_digest
-from elastic_train.env import WorkerEnv
 from elastic_train.errors import ConfigError
-from elastic_train.events import read_events
+from elastic_train.observe.events import read_events
 from elastic_train.rundir import EVENTS_FILE
-from elastic_train.session import ElasticSession
+from elastic_train.worker.batching import global_batch
+from elastic_train.worker.env import WorkerEnv
+from elastic_train.worker.session import ElasticSession
 
 
 def test_sigterm_stops_at_the_next_step_with_a_checkpoint(tmp_path: Path) -> None:
@@ -301,7 +301,7 @@ def test_wrap_gives_ddp_on_the_sessions_world_and_training_runs(tmp_path: Path) 
 def test_the_sampler_hands_out_the_step_to_redo_after_a_reshard() -> None:
     """A DataLoader without worker processes reads one batch at a time: after the world
     re-formed, the next batch is the step in flight again, cut for the new world."""
-    from elastic_train.sampler import ElasticBatchSampler, epoch_order
+    from elastic_train.worker.sampler import ElasticBatchSampler, epoch_order
 
     sampler = ElasticBatchSampler(64, 8, rank=1, world_size=2, seed=3)
     it = iter(sampler)

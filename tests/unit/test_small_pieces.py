@@ -24,16 +24,16 @@ from elastic_train.checkpoint import manager as manager_module
 from elastic_train.checkpoint.manager import CheckpointManager, snapshot_state
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
-from elastic_train.distributed import Group
-from elastic_train.env import WorkerEnv, read_worker_env
 from elastic_train.errors import ConfigError, TaskError
-from elastic_train.events import EventLog, read_events
+from elastic_train.observe.events import EventLog, read_events
+from elastic_train.observe.summary import summarize
 from elastic_train.rundir import prepare_run_dir
-from elastic_train.seeding import derive_seed
-from elastic_train.summary import summarize
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.loader import load_task, resolve_factory
-from elastic_train.trainer import TrainerState, lr_factor, micro_batches
+from elastic_train.worker.distributed import Group
+from elastic_train.worker.env import WorkerEnv, read_worker_env
+from elastic_train.worker.seeding import derive_seed
+from elastic_train.worker.trainer import TrainerState, lr_factor, micro_batches
 
 # --- lr_factor ----------------------------------------------------------------------------
 
@@ -612,7 +612,7 @@ def test_an_option_an_older_torchrun_lacks_is_dropped_and_said(
         capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from elastic_train.launch import options_torchrun_knows
+    from elastic_train.agent.launch import options_torchrun_knows
 
     old = argparse.ArgumentParser()  # torch 2.11's torchrun: no --shutdown-timeout
     old.add_argument("--nnodes")
@@ -635,7 +635,7 @@ def test_no_backend_thread_holds_a_callback_of_ours_once_the_group_is_destroyed(
     collective's callback must be released before the group goes."""
     import torch.distributed as dist
 
-    from elastic_train import distributed
+    from elastic_train.worker import distributed
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
                             world_size=1)
@@ -667,7 +667,7 @@ def test_no_backend_thread_holds_a_callback_of_ours_once_the_group_is_destroyed(
 ])
 def test_elastic_train_run_tells_a_script_from_the_built_in_jobs_options(
         argv: list[str], split: tuple[list[str], list[str]] | None) -> None:
-    from elastic_train.launch import launcher_parser, script_command
+    from elastic_train.agent.launch import launcher_parser, script_command
 
     assert script_command(argv, launcher_parser()) == split
 
@@ -675,7 +675,7 @@ def test_elastic_train_run_tells_a_script_from_the_built_in_jobs_options(
 def test_elastic_train_run_of_a_missing_script_says_so(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]
                                                         ) -> None:
-    from elastic_train.launch import main
+    from elastic_train.agent.launch import main
 
     assert main([str(tmp_path / "nope.py"), "arg"]) == 2
     assert capsys.readouterr().err == (

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_train import state_wire
+from elastic_train.live import state_wire
 from tests.state_equality import assert_same_state
 
 

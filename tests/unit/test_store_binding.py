@@ -1,4 +1,4 @@
-"""Where the agent's stores listen (store_binding.py), on real sockets and stores."""
+"""Where the agent's stores listen (agent/store_binding.py), on real sockets and stores."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_train.store_binding import listening_store, loopback_address, node_store_host
+from elastic_train.agent.store_binding import listening_store, loopback_address, node_store_host
 
 
 def test_loopback_names_and_the_node_stores_host() -> None:

@@ -1,0 +1,121 @@
+"""The agent's side of the process environment: torchrun's ``PET_*`` option defaults that
+``elastic-train run`` reads, and what the agent sets for the workers it starts.
+
+worker/env.py is the workers' view (and names the variables both sides share); this is the
+launcher/agent process's. The two are the only modules that touch ``os.environ``. This one
+must, rather than take values as arguments: workers and the workers' forkserver inherit
+the agent's environment, so what they need has to be written into it (before they start,
+or into the file named by ``WORKER_ENV_FILE`` afterwards); and ``PET_*`` are read from it
+exactly as torchrun reads them. Free of torch imports (the launcher imports it first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+
+from elastic_train.live.environment import RENDEZVOUS_SECONDS, WORKER_ENV_FILE, read_env_file
+
+# Launcher options that torchrun also reads from PET_<NAME> (torch.distributed.argparse_util:
+# ``env`` takes the value, ``check_env`` a flag, set by any non-zero integer).
+PET_PREFIX = "PET_"
+TORCHRUN_OPTIONS = frozenset({
+    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+    "max_restarts", "monitor_interval", "start_method", "event_log_handler", "role",
+    "log_dir", "redirects", "tee", "local_ranks_filter", "duplicate_stdout_filters",
+    "duplicate_stderr_filters", "node_rank", "master_addr", "master_port", "local_addr",
+    "signals_to_handle", "shutdown_timeout",
+})
+TORCHRUN_FLAGS = frozenset({"standalone", "module", "no_python", "run_path",
+                            "virtual_local_rank"})
+
+
+def option_default(dest: str, default: object) -> object:
+    """The default of launcher option ``dest``: ``PET_<DEST>`` if torchrun reads it and it
+    is set (a flag's: true for a non-zero integer), else ``default``.
+
+    The Kubeflow training operator passes elasticPolicy to torchrun this way
+    (PET_NNODES, PET_RDZV_BACKEND, ...), so ``elastic-train run`` in a pod sees the same
+    settings torchrun would. An option on the command line still wins.
+    """
+    value = os.environ.get(f"{PET_PREFIX}{dest.upper()}")
+    if value is None:
+        return default
+    if dest in TORCHRUN_FLAGS:
+        return bool(int(value))
+    return value if dest in TORCHRUN_OPTIONS else default
+
+
+def torchrun_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``PET_*`` variables of torchrun's options that are set (sorted): launched as the
+    Kubeflow operator launches torchrun, where torchrun's defaults are what the job's
+    author expects (launch_options.resolve)."""
+    env = os.environ if environ is None else environ
+    return sorted(f"{PET_PREFIX}{dest.upper()}" for dest in TORCHRUN_OPTIONS | TORCHRUN_FLAGS
+                  if f"{PET_PREFIX}{dest.upper()}" in env)
+
+
+def launcher_environment_defaults(nproc_per_node: str) -> dict[str, str]:
+    """Environment the launcher sets for torch's agent and the workers before they start.
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes every rendezvous round create a fresh
+    c10d store, so keys of a dead incarnation cannot mislead the next one (FIELD-NOTES).
+    ``OMP_NUM_THREADS=1`` when a node runs more than one worker, as torchrun does;
+    ``auto``, ``cpu`` and ``gpu`` counts are left to torchrun, which then starts the
+    workers' server itself, after it has set the variable.
+    """
+    defaults = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if nproc_per_node.isdigit() and int(nproc_per_node) > 1:
+        defaults["OMP_NUM_THREADS"] = "1"
+    return defaults
+
+
+def apply_environment_defaults(defaults: Mapping[str, str]) -> None:
+    """Set each variable unless the user already set it."""
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+@contextlib.contextmanager
+def worker_env_file() -> Iterator[str]:
+    """A file for ``set_for_workers``, named in ``WORKER_ENV_FILE`` until the block ends.
+
+    Set it before the workers' forkserver starts: forked workers find the file's name in
+    the environment they inherit from the server, and ``read_worker_env`` reads it.
+    """
+    fd, path = tempfile.mkstemp(prefix="elastic-train-worker-env-", suffix=".json")
+    os.close(fd)
+    os.environ[WORKER_ENV_FILE] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop(WORKER_ENV_FILE, None)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def set_for_workers(key: str, value: str) -> None:
+    """Set a variable in this (agent) process for the workers it starts next.
+
+    Subprocess workers inherit the agent's environment. Workers forked from a forkserver
+    inherit the *server's*, fixed when it started; for them the value also goes into the
+    file named by ``WORKER_ENV_FILE``, which ``read_worker_env`` overlays.
+    """
+    os.environ[key] = value
+    path = os.environ.get(WORKER_ENV_FILE)
+    if path:
+        values = read_env_file(path)
+        values[key] = value
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(values, f)
+        os.replace(tmp, path)
+
+
+def set_rendezvous_seconds(seconds: float) -> None:
+    """How long this agent's last rendezvous took, for the workers it starts next
+    (``WorkerEnv.rendezvous_seconds``)."""
+    set_for_workers(RENDEZVOUS_SECONDS, f"{seconds:.3f}")

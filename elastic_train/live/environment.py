@@ -1,0 +1,37 @@
+"""The environment variables our agent sets for its workers, beyond torchrun's, and the
+file of values it learns after a forked worker's environment was fixed.
+
+Defined once here, the contract both sides read: the agent writes them
+(agent/environment.py, agent/live_agent.py), the worker reads them (worker/env.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["LIVE_GENERATION", "LIVE_RECOVERY", "LIVE_STORE", "RENDEZVOUS_SECONDS",
+           "WORKER_ENV_FILE", "read_env_file"]
+
+# Set by the agent for its workers (agent/environment.py). How long their rendezvous took,
+# after each one (rendezvous/timing.py, rendezvous/handler.py):
+RENDEZVOUS_SECONDS = "ELASTIC_TRAIN_RENDEZVOUS_SECONDS"
+# A JSON file of values the agent learned after a forked worker's environment was fixed,
+# read over the environment (``agent_env.set_for_workers`` writes it):
+WORKER_ENV_FILE = "ELASTIC_TRAIN_WORKER_ENV_FILE"
+# Live recovery (agent/live_agent.py sets them): "1" when the agent restarts single workers into the
+# running world; the generation a restarted worker joins:
+LIVE_RECOVERY = "ELASTIC_TRAIN_LIVE_RECOVERY"
+LIVE_GENERATION = "ELASTIC_TRAIN_LIVE_GENERATION"
+# HOST:PORT of the store the agent keeps for its workers' process groups under live recovery
+# (it outlives any worker, rank 0 included):
+LIVE_STORE = "ELASTIC_TRAIN_LIVE_STORE"
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """The variables in the file named by ``WORKER_ENV_FILE``; {} if it is missing or bad."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}

@@ -1,0 +1,226 @@
+"""Live recovery across nodes: how agents reach each other's stores.
+
+Each agent keeps a TCPStore for its workers (agent/live_agent.py); its HOST:PORT is the agent's
+id in a plan (live/plan.py). Agents use these stores for everything a re-formation needs
+quickly, and the rendezvous store only to commit a plan:
+
+- a coordinator tells every member of the generation before that a re-formation started
+  (``NOTICE_KEY`` in each one's store); a member whose store refuses the connection, or
+  does not answer within ``PROBE_SECONDS``, is taken for lost at once (its agent died), so
+  nobody waits out a heartbeat or a lease for it;
+- members put their ``Arrival`` in the coordinator's store, and read the plan from it.
+
+Nothing here is polled in steady state: an agent reads only its own store (local), and
+peers only during a re-formation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from elastic_train.process_exit import left_in_c
+
+T = TypeVar("T")
+
+PREFIX = "elastic_train/agents"
+NOTICE_KEY = f"{PREFIX}/notice"
+WAKE_KEY = f"{PREFIX}/wake"
+"""A queue in each agent's store: whoever leaves the agent something to act on (a peer's
+call, a worker's failed collective) pushes to it, and the agent acts at once instead of at
+its next --monitor-interval."""
+PROBE_SECONDS = 2.0
+"""How long a coordinator waits for a member's store to accept a connection: an agent that
+died refuses at once; a host that is gone does not answer."""
+
+
+def arrival_key(generation: int, agent: str) -> str:
+    return f"{PREFIX}/reform/{generation}/arrival/{agent}"
+
+
+def plan_key(generation: int) -> str:
+    return f"{PREFIX}/reform/{generation}/plan"
+
+
+RESTART = b"restart"
+"""What a coordinator publishes instead of a plan when no member holds the state."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A coordinator's call to re-form as ``generation``."""
+
+    generation: int
+    coordinator: str
+
+    def encode(self) -> str:
+        return json.dumps({"generation": self.generation, "coordinator": self.coordinator})
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> Notice:
+        raw = json.loads(data)
+        return cls(int(raw["generation"]), str(raw["coordinator"]))
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def reachable(address: str, timeout: float = PROBE_SECONDS) -> bool:
+    """Whether something accepts TCP connections at HOST:PORT within ``timeout``."""
+    try:
+        with socket.create_connection(split_address(address), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class PeerStores:
+    """Clients of other agents' stores, one per address, made on first use."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._clients: dict[str, dist.Store] = {}
+        self._lock = threading.Lock()
+
+    def client(self, address: str) -> dist.Store:
+        """A client of the store at ``address``; raises ``ConnectionError`` when nothing
+        answers there (checked first: torch's client retries a refused connection until
+        its timeout)."""
+        with self._lock:
+            found = self._clients.get(address)
+        if found is not None:
+            return found
+        if not reachable(address):
+            raise ConnectionError(f"no agent answers at {address}")
+        host, port = split_address(address)
+        # Connect within PROBE_SECONDS: an agent dying just now may have accepted the probe
+        # and refuse the store's own connection, which torch retries until the timeout.
+        made = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=PROBE_SECONDS))
+        made.set_timeout(timedelta(seconds=self.timeout))
+        with self._lock:
+            self._clients.setdefault(address, made)
+            return self._clients[address]
+
+    def forget(self, address: str) -> None:
+        with self._lock:
+            self._clients.pop(address, None)
+
+    def tell(self, address: str, key: str, value: str | bytes) -> bool:
+        """Set ``key`` in the store at ``address`` and wake that agent; False when that
+        agent is gone, or silent for ``2 * PROBE_SECONDS``."""
+
+        def call() -> None:
+            client = self.client(address)
+            client.set(key, value)
+            wake(client)
+
+        try:
+            bounded(call, 2 * PROBE_SECONDS)
+            return True
+        except (ConnectionError, RuntimeError, OSError, TimeoutError):
+            self.forget(address)
+            return False
+
+    def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes) -> set[str]:
+        """Set ``key`` in every store at once; the addresses where it was set."""
+        told: set[str] = set()
+        lock = threading.Lock()
+
+        def one(address: str) -> None:
+            if self.tell(address, key, value):
+                with lock:
+                    told.add(address)
+
+        threads = [threading.Thread(target=one, args=(a,), daemon=True) for a in addresses]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(2 * PROBE_SECONDS + 1.0)
+        with lock:
+            return set(told)
+
+    def read(self, address: str, key: str, timeout: float) -> bytes | None:
+        """The value of ``key`` at ``address`` once it is set (None: not within ``timeout``,
+        or that agent is gone)."""
+        def call() -> bytes:
+            client = self.client(address)
+            client.wait([key], timedelta(seconds=timeout))
+            return bytes(client.get(key))
+
+        try:
+            return bounded(call, timeout + PROBE_SECONDS)
+        except (ConnectionError, RuntimeError, OSError, TimeoutError):
+            self.forget(address)
+            return None
+
+
+def bounded(call: Callable[[], T], seconds: float) -> T:
+    """``call()``'s result, or ``TimeoutError`` after ``seconds``. torch's TCPStore client
+    waits without bound for the answer of a server that accepted the connection but is
+    silent (its process frozen, its host cut off after the connection was made); such a
+    call is left behind in a daemon thread, and the caller goes on."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # handed to the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="peer-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        left_in_c(thread)
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def wake(store: dist.Store) -> None:
+    """Wake the agent whose store this is (see ``WAKE_KEY``; a torch without store queues,
+    before 2.6, leaves it to the agent's next --monitor-interval)."""
+    with contextlib.suppress(AttributeError, RuntimeError, OSError):
+        store.queue_push(WAKE_KEY, b"1")
+
+
+def local_value(store: dist.Store, key: str) -> bytes | None:
+    """``key`` in a store of this process' own (None when absent or the store is gone)."""
+    with contextlib.suppress(RuntimeError, OSError):
+        if store.check([key]):
+            return store.get(key)
+    return None
+
+
+def commit_plan(store: dist.Store, key: str, base: bytes, plan: bytes) -> bytes:
+    """Swap the plan at ``key`` from ``base`` (the plan it replaces, exactly as committed;
+    empty: none yet) to ``plan``; the plan committed now. Of two coordinators that decided
+    from the same base only the first commits; a coordinator that decided from a stale
+    base (a partitioned minority, a world that moved on) commits nothing and learns the
+    newer plan."""
+    return bytes(store.compare_set(key, base, plan))
+
+
+def take_over(store: dist.Store, key: str, plan: bytes, tries: int = 20) -> bytes:
+    """Make ``plan`` the plan at ``key`` whatever it replaces (a new rendezvous round's
+    plan supersedes every plan before it): a compare-and-swap from the value read, again
+    if another commit came in between. A coordinator of an older world that swaps from
+    its own plan after this finds the key changed and commits nothing."""
+    for _ in range(tries):
+        current = bytes(store.get(key)) if store.check([key]) else b""
+        if commit_plan(store, key, current, plan) == plan:
+            return plan
+    raise RuntimeError(f"could not commit a new round's plan at {key}: it kept changing")

@@ -1,0 +1,572 @@
+"""Make an existing hand-written DDP loop fault-tolerant by changing a handful of lines.
+
+::
+
+    session = ElasticSession("runs/mine", checkpoint_every=50)   # was: init_process_group
+    loader = session.dataloader(dataset, batch_size=32)           # was: DistributedSampler
+    session.restore(model=model, optimizer=optimizer)             # was: barrier + torch.load
+    for epoch in session.epochs(EPOCHS):                          # was: range + set_epoch
+        for x, y in loader:
+            ...                                                   # the step, unchanged
+            if session.step(loss):                                # new: count, checkpoint
+                break                                             # (SIGTERM: epochs() ends)
+    session.close()                                               # was: rank-0 torch.save
+
+The session uses the same checkpoint format, restore protocol, sampler and event log as the
+built-in trainer, so ``elastic-train checkpoints`` and reports work on its runs too.
+
+The protocol around the loop (start, restore, the per-step vote, stops, the final
+checkpoint) is the worker runtime's (worker/runtime.py), the same as the built-in trainer's.
+Preemption: SIGTERM on any rank becomes a vote that every rank sees at the same step (one
+small all-reduce per step), rank 0 checkpoints that step, ``step()`` returns True, and the
+workers exit 0 after ``close()``, within the budget. On several nodes only the signalled
+node's workers exit 0; the others' ``close()`` raises ``NodeStoppedError`` (a non-zero
+exit), so that their agents re-form the world without it. ``on_save_failure="stop"`` makes
+a checkpoint that rank 0 cannot write stop every rank at the same step: ``step()`` raises
+``CheckpointStopError`` with one line saying what to fix.
+
+Live recovery (under ``elastic-train run SCRIPT``, agent/live_agent.py): a worker or node lost,
+or a node joining, re-forms the world in place, with the same protocol as the built-in
+trainer (worker/runtime.py: ``failed_step``, ``recover``). A hand-written loop's step has no commit
+point before ``optimizer.step()``, so the session makes one: ``wrap(model)`` gives DDP a
+gradient all-reduce that records a failure instead of raising it
+(``distributed.forgiving_allreduce_hook``), the ``step()`` of the registered optimizers and
+LR schedulers does nothing in a step that failed (a registered GradScaler's ``update()``
+keeps its scale; ``step_failed`` tells the loop's own code), and ``step(loss)`` then re-forms the
+world: the survivors keep their processes and state, the lowest rank holding the newest
+step sends it to the others, the sampler and the session's DataLoader go back to the step
+in flight (redone, nothing else), and the DDP module moves to the new process group.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from collections.abc import Iterator, Sized
+from pathlib import Path
+from typing import Any, overload
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from elastic_train.checkpoint.export import check_weights_file, write_weights
+from elastic_train.checkpoint.manager import CheckpointManager, Stateful
+from elastic_train.config import SAVE_FAILURE_POLICIES, CheckpointConfig
+from elastic_train.errors import ConfigError, LiveRecoveryError
+from elastic_train.observe.event_schema import Step
+from elastic_train.observe.events import EventLog
+from elastic_train.rundir import RunDir
+from elastic_train.worker import distributed
+from elastic_train.worker.batching import global_batch
+from elastic_train.worker.determinism import make_deterministic
+from elastic_train.worker.distributed import Group, StepFailures
+from elastic_train.worker.env import WorkerEnv, read_worker_env
+from elastic_train.worker.live_world import live_world_for
+from elastic_train.worker.process_name import name_process
+from elastic_train.worker.runtime import WorkerRuntime
+from elastic_train.worker.sampler import ElasticBatchSampler
+from elastic_train.worker.seeding import derive_seed
+from elastic_train.worker.timeline import process_start_time
+from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
+
+RECOVERY_MODES = ("live", "restart")
+LIVE_NEEDS_WRAP = ("live recovery needs the model wrapped by session.wrap(model) (in place "
+                   "of DDP(model)), before restore(): this job restarts from its newest "
+                   "checkpoint on a failure instead (ElasticSession(..., recovery=\"restart\") "
+                   "says so and silences this line)")
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+class _ElasticDataLoader(DataLoader):
+    """The session's DataLoader: its iterator starts again at the step to train on when
+    the world re-formed in place (what it read ahead, prefetched by its worker processes,
+    was cut for the old world or belongs to a step now redone)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return _RestartingIterator(self)
+
+
+class _RestartingIterator:
+    def __init__(self, loader: _ElasticDataLoader) -> None:
+        self._loader = loader
+        self._sampler = loader.batch_sampler
+        self._seen = self._sampler.reshards
+        self._inner = DataLoader.__iter__(loader)
+
+    def __iter__(self) -> _RestartingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._sampler.reshards != self._seen:
+            self._seen = self._sampler.reshards
+            self._inner = DataLoader.__iter__(self._loader)
+        return next(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._sampler)
+
+
+class ElasticSession:
+    """The process group, a resumable sampler and checkpoints for a hand-written loop."""
+
+    def __init__(self, run_dir: str | Path, *, checkpoint_every: int | None = 100,
+                 checkpoint_interval: float | None = None, keep_checkpoints: int = 3,
+                 seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
+                 preemption_budget: float | None = 25.0, on_save_failure: str = "continue",
+                 deterministic: bool = False, recovery: str = "live",
+                 step_timeout: float | None = None, env: WorkerEnv | None = None) -> None:
+        """``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit (keep
+        it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python.
+        ``on_save_failure``: ``continue`` (train on, keep the last good checkpoint, warn)
+        or ``stop`` (every rank stops at the same step; see the module docstring).
+        ``deterministic``: deterministic CUDA kernels (worker/determinism.py), for a bitwise
+        resume on a GPU. ``recovery``: ``live`` (re-form the world in place, under
+        ``elastic-train run``; see the module docstring) or ``restart`` (every failure
+        restarts the workers from the newest checkpoint). ``step_timeout``: seconds without
+        a completed step after which a rank is named as hung (a stopped process, a wedged
+        collective) and killed where it runs on this host, so that the world re-forms
+        (live recovery) or the job restarts, instead of waiting out ``timeout_seconds``;
+        None (the default): no step watchdog (the built-in job's ``--step-timeout``)."""
+        if checkpoint_every is not None and checkpoint_every <= 0:
+            raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
+                              "positive number of steps, or None")
+        if preemption_budget is not None and preemption_budget <= 0:
+            raise ConfigError(f"preemption_budget {preemption_budget} is invalid: it must be a "
+                              "positive number of seconds, or None")
+        if on_save_failure not in SAVE_FAILURE_POLICIES:
+            raise ConfigError(f"on_save_failure {on_save_failure!r} is invalid: use one of "
+                              f"{', '.join(SAVE_FAILURE_POLICIES)}")
+        if recovery not in RECOVERY_MODES:
+            raise ConfigError(f"recovery {recovery!r} is invalid: use one of "
+                              f"{', '.join(RECOVERY_MODES)}")
+        if step_timeout is not None and step_timeout <= 0:
+            raise ConfigError(f"step_timeout {step_timeout} is invalid: it must be a positive "
+                              "number of seconds, or None")
+        if deterministic:
+            make_deterministic()
+        env = env or read_worker_env()
+        self.live = live_world_for(recovery, env, backend, timeout_seconds,
+                                   'ElasticSession(..., recovery="restart")')
+        if self.live is not None:  # this worker's place comes from its agent's plan
+            env = self.live.env
+            name_process(env.rank)
+        self.run_dir = Path(run_dir)
+        self.seed = seed
+        layout = RunDir(self.run_dir)
+        if env.rank == 0:
+            layout.prepare()
+        if self.live is not None and self.live.arriving:  # joins once its model is built
+            group = self.live.provisional_group()
+        elif self.live is not None:
+            group = self.live.join()
+        else:
+            group = distributed.init_group(env, backend, timeout_seconds)
+        policy = CheckpointConfig(checkpoint_every, checkpoint_interval, keep_checkpoints,
+                                  on_save_failure=on_save_failure)
+        self.runtime = WorkerRuntime(layout, env, group, policy,
+                                     preemption_budget=preemption_budget,
+                                     save_failure_option="on_save_failure").install()
+        self.runtime.live = self.live
+        if self.live is not None:  # its name in ps follows its rank (a re-formation moves it)
+            self.runtime.on_moved.append(lambda moved: name_process(moved.rank))
+        self._counter = _Counter()
+        self._calls = 0
+        """``step()`` calls, failed steps included (``steps()`` checks them)."""
+        self._objects: dict[str, Stateful] = {}
+        self._sampler: ElasticBatchSampler | None = None
+        self._batch_sizes: tuple[int | None, int | None] = (None, None)
+        self._own_loader = False
+        self._ddps: list[DistributedDataParallel] = []
+        self._failures = StepFailures()
+        self._step_timeout = step_timeout
+        self._watchdog: StepWatchdog | NoWatchdog = NoWatchdog()
+
+    @property
+    def env(self) -> WorkerEnv:
+        """This worker's place in the job (rank, world, node); live recovery changes it."""
+        return self.runtime.env
+
+    @property
+    def group(self) -> Group:
+        """This worker's process group (a new one after each live recovery)."""
+        return self.runtime.group
+
+    @property
+    def events(self) -> EventLog:
+        """The run's event log (rank 0 writes it)."""
+        return self.runtime.events
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        """The run's checkpoints: when to save, rank 0's writes, the restore."""
+        return self.runtime.checkpoints
+
+    @property
+    def stopped_at(self) -> int | None:
+        """The step the job stopped at after a SIGTERM (``step()`` returned True), or None."""
+        return self.runtime.stopped_at
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps done so far (restored ones included)."""
+        return self._counter.step
+
+    def sampler(self, dataset: Sized, batch_size: int | None = None, *,
+                global_batch_size: int | None = None) -> ElasticBatchSampler:
+        """A DataLoader ``batch_sampler`` over this rank's share of each step's batch.
+
+        Give exactly one size (see ``dataloader()``). Prefer ``dataloader()``: a DataLoader
+        you build yourself must get its own ``generator=``, otherwise it draws from torch's
+        global generator whenever an epoch starts, and a resumed run's dropout shifts.
+        """
+        total = global_batch(batch_size, global_batch_size, self.world_size)
+        self._batch_sizes = (batch_size, global_batch_size)
+        self._sampler = ElasticBatchSampler(len(dataset), total, self.rank, self.world_size,
+                                            self.seed)
+        self._own_loader = False
+        return self._sampler
+
+    def dataloader(self, dataset: Sized, batch_size: int | None = None, *,
+                   global_batch_size: int | None = None, **kwargs: Any) -> DataLoader:
+        """A DataLoader over this rank's share of each step's batch, resumable mid-epoch.
+
+        ``batch_size`` is **per rank**, PyTorch's convention: a step trains on
+        ``batch_size * world_size`` samples, so the optimisation changes with the world
+        size. ``global_batch_size`` is the step's batch over **all** ranks, like the built-in
+        job's ``--batch-size``: the optimisation does not depend on the world size (a world
+        size that does not divide it gives some ranks one sample more). Give one of them.
+        ``kwargs`` go to ``DataLoader`` (``num_workers``, ``collate_fn``, ...). Randomness
+        inside the dataset should derive from the sample index to stay exact on resume.
+        """
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "dataloader"))
+        sampler = self.sampler(dataset, batch_size, global_batch_size=global_batch_size)
+        self._own_loader = True
+        return _ElasticDataLoader(dataset, batch_sampler=sampler, generator=generator,
+                                  **kwargs)
+
+    def wrap(self, model: torch.nn.Module, **ddp_options: Any) -> DistributedDataParallel:
+        """``DistributedDataParallel(model)`` on this session's world (was: ``DDP(model)``).
+
+        Call it before ``restore()``. Under live recovery, the session keeps this DDP
+        module across re-formations (it moves to each new process group) and makes its
+        gradient all-reduce one whose failure the session recovers from (module
+        docstring). ``ddp_options`` go to DDP (``device_ids`` defaults to this worker's GPU).
+        """
+        in_sync = False
+        if self.live is not None and self.live.arriving:
+            # Started into a running world: built, it joins; restore() receives the state.
+            self.runtime.join_arriving()
+            in_sync = True
+        if self.device.type == "cuda":
+            ddp_options.setdefault("device_ids", [self.device.index])
+        ddp = DistributedDataParallel(model, init_sync=not in_sync, **ddp_options)
+        if self.live is not None:
+            ddp.register_comm_hook(self._failures, distributed.forgiving_allreduce_hook)
+        self._ddps.append(ddp)
+        return ddp
+
+    def restore(self, **objects: Stateful) -> int:
+        """Register what to checkpoint (``model=`` is required) and load the newest checkpoint.
+
+        Returns the step resumed at (0 for a fresh run). Every rank must call it.
+        """
+        if "model" not in objects:
+            raise ConfigError("restore() needs model=...: the model is what checkpoints hold")
+        self._objects = {**objects, "session": self._counter}
+        if self._sampler is not None:
+            self._objects["sampler"] = self._sampler
+        live = self.live
+        if live is not None and not self._ddps:
+            if self.rank == 0 and self.env.restart_count == 0:  # once per job
+                print(f"elastic_train: {LIVE_NEEDS_WRAP}", file=sys.stderr, flush=True)
+            live.close()
+            self.live = self.runtime.live = None
+            live = None
+        if live is not None and live.arriving:
+            started = process_start_time()
+            self.runtime.recover(self._objects,
+                                 lambda: self.runtime.arrive(self._objects, started), None)
+            self._follow_world()
+            step = self.step_count
+        else:
+            self.runtime.start(total_steps=None)
+            restored = self.runtime.restore(self._objects)
+            step = 0 if restored is None else restored.step
+        if live is not None:
+            for obj in objects.values():
+                self._skip_failed_steps(obj)
+            live.ready()
+            live.start()
+        self._watch_steps()
+        torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
+        return step
+
+    def _watch_steps(self) -> None:
+        """A step watchdog for this world, from now on (``step_timeout``)."""
+        self._watchdog.stop()
+        self._watchdog = self.runtime.step_watchdog(self._step_timeout).start()
+        self._watchdog.phase("the loop's step")
+
+    @property
+    def step_failed(self) -> bool:
+        """True from a failed gradient all-reduce (a peer lost) to the next ``step()``: this
+        step is not applied and will be redone. State the loop changes after
+        ``optimizer.step()`` by itself (an EMA of the weights) should skip it then:
+        ``if not session.step_failed: ema.update(model)``. Always False without
+        live recovery (a failure there raises)."""
+        return self._failures.error is not None
+
+    def _skip_failed_steps(self, obj: Any) -> None:
+        """Make ``obj`` change nothing in a step whose gradient all-reduce failed: its
+        gradients are not the step's (the commit point a hand-written loop lacks). An
+        optimizer's and an LR scheduler's ``step()`` do nothing; a GradScaler's ``update()``
+        keeps its scale and growth count (and still clears the step's records)."""
+        failures = self._failures
+        if isinstance(obj, torch.optim.Optimizer):
+            step = obj.step
+
+            def gated_step(target: Any, *args: Any, **kwargs: Any) -> Any:
+                return None if failures.error is not None else step(*args, **kwargs)
+
+            if hasattr(step, "_wrapped_by_lr_sched"):  # an LR scheduler's, called through
+                gated_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            # A bound method, as torch's LR schedulers expect of optimizer.step when they
+            # wrap it to count the calls.
+            obj.step = types.MethodType(gated_step, obj)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            base = type(obj)
+
+            def gated_scheduler_step(target: Any, *args: Any, **kwargs: Any) -> Any:
+                return None if failures.error is not None \
+                    else base.step(target, *args, **kwargs)
+
+            # Its state_dict() is its __dict__: the gate goes in a subclass, not the instance.
+            obj.__class__ = type(base.__name__, (base,), {
+                "step": gated_scheduler_step, "__module__": base.__module__,
+                "__qualname__": base.__qualname__})
+        elif isinstance(obj, torch.amp.GradScaler):
+            update = obj.update
+
+            def gated_update(target: Any, new_scale: Any = None) -> None:
+                if failures.error is not None:
+                    new_scale = target.get_scale()  # as it was: no growth, no back-off
+                update(new_scale)
+
+            obj.update = types.MethodType(gated_update, obj)
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.
+
+        A resume right at the end of an epoch starts with the next one (not with an empty
+        epoch). Ends early after a stop (``step()`` returned True).
+        """
+        first = self._first_epoch()
+        if first >= count and self.step_count > 0:
+            self._say_finished(f"epoch {first} of {count}", "the epoch count")
+        for epoch in range(first, count):
+            if self.stopped_at is not None:
+                return
+            if self._sampler is not None:
+                self._sampler.set_epoch(epoch)
+            yield epoch
+
+    @overload
+    def steps(self, total: int) -> Iterator[int]: ...
+
+    @overload
+    def steps(self, total: int, loader: DataLoader) -> Iterator[tuple[int, Any]]: ...
+
+    def steps(self, total: int, loader: DataLoader | None = None) -> Iterator[Any]:
+        """A step loop: ``for step in session.steps(total):`` runs steps ``step_count`` (the
+        resumed one, 0 on a fresh run) to ``total - 1``, so a resumed run does not train
+        ``total`` more steps. Call ``step()`` once in each; ends early after a stop.
+
+        With ``loader`` (a ``dataloader()`` of this session) it yields ``(step, batch)`` and
+        goes from epoch to epoch as the data runs out, resuming mid-epoch.
+        """
+        if self.step_count >= total:
+            if self.step_count > 0:
+                self._say_finished(f"step {self.step_count} of {total}", "the total steps")
+            return
+        if loader is None:
+            while self.step_count < total and self.stopped_at is None:
+                before = self._calls
+                yield self.step_count
+                self._check_stepped(before)
+            return
+        if self._sampler is None or loader.batch_sampler is not self._sampler:
+            raise ConfigError("steps(total, loader): the loader must be this session's "
+                              "dataloader(...), whose position the checkpoints keep")
+        epoch = self._first_epoch()
+        while self.step_count < total and self.stopped_at is None:
+            self._sampler.set_epoch(epoch)
+            if len(self._sampler) == 0:  # else this loop would go on from empty epoch to epoch
+                raise ConfigError(f"the step's batch of {self._sampler.batch_size} samples "
+                                  f"exceeds the {self._sampler.sampler.num_samples} samples "
+                                  "of the dataset: use a smaller batch size or more data")
+            for batch in loader:
+                if self.step_count >= total or self.stopped_at is not None:
+                    return
+                before = self._calls
+                yield self.step_count, batch
+                self._check_stepped(before)
+            epoch += 1
+
+    def _check_stepped(self, calls_before: int) -> None:
+        if self._calls == calls_before and self.stopped_at is None:
+            raise ConfigError(f"step {self.step_count} ended without session.step(): call it "
+                              "once per step of a steps() loop, after optimizer.step()")
+
+    def _first_epoch(self) -> int:
+        if self._sampler is None:
+            return 0
+        return self._sampler.epoch + (1 if self._sampler.epoch_finished else 0)
+
+    def _say_finished(self, where: str, what: str) -> None:
+        """A rerun of a finished run directory trains nothing: say so, and what to do."""
+        if self.rank == 0:
+            print(f"elastic_train: {self.run_dir} is finished: its newest checkpoint is at "
+                  f"{where}; nothing to train (raise {what} to train on, or use a new run "
+                  "directory to start afresh)", file=sys.stderr, flush=True)
+
+    def step(self, loss: float | torch.Tensor | None = None) -> bool:
+        """Call after each optimizer step: counts it, advances the sampler, checkpoints.
+
+        Returns True when the job is being stopped (SIGTERM on any rank): this step is
+        then checkpointed; leave the training loop and call ``close()``. Raises
+        ``CheckpointStopError`` on every rank when rank 0 could not write a checkpoint and
+        ``on_save_failure`` is ``stop``.
+        """
+        if not self._objects:
+            raise ConfigError("call restore(model=..., optimizer=...) before the first step()")
+        if self.stopped_at is not None:
+            raise ConfigError(f"step() after the stop at step {self.stopped_at}: leave the "
+                              "training loop when step() returns True, then call close()")
+        self._calls += 1
+        failure = self._failures.take()
+        if failure is not None:  # this step's gradient all-reduce failed: not applied
+            failed_at = time.time()
+            if not self.runtime.failed_step(failure):
+                raise failure
+            self._recover_in_place(failed_at, attempted=self.step_count + 1)
+            return False
+        self._counter.step += 1
+        self._watchdog.progress(self.step_count)
+        if self._sampler is not None:
+            self._sampler.advance()
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        self.events.emit(Step(step=self.step_count, loss=value, world_size=self.world_size,
+                              restart=self.env.restart_count))
+        try:
+            vote = self.runtime.vote()
+        except Exception as exc:  # this step is applied here: the others may take it
+            failed_at = time.time()
+            if not self.runtime.failed_step(exc):
+                raise
+            self._recover_in_place(failed_at)
+            return False
+        if vote.ends_loop:
+            self._watchdog.stop()  # the stop's checkpoint may take long: not a stalled step
+            self.runtime.end(self.step_count, self._objects, vote)
+            return True
+        self.runtime.save_if_due(self.step_count, self._objects)
+        if vote.reform:  # a node is ready to join: re-form at this step boundary
+            self._recover_in_place(time.time(), failed=False)
+        torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
+        return False
+
+    def _recover_in_place(self, failed_at: float, *, attempted: int | None = None,
+                          failed: bool = True) -> None:
+        """Re-form the world with the workers of the new generation, keeping this process
+        and its state (runtime.recover); ``attempted``: the step that failed here before
+        it was applied (redone unless a member finished it), None when this process holds
+        its last step applied (a failed vote after it, or a step boundary: ``failed``
+        False)."""
+        if self._sampler is not None and not self._own_loader and self._sampler.read_ahead > 1:
+            raise LiveRecoveryError(
+                f"the DataLoader read {self._sampler.read_ahead} batches ahead of the step "
+                "(worker processes), cut for the old world: build it with "
+                "session.dataloader(...), which starts again at the step to redo; the job "
+                "restarts from its newest checkpoint")
+        self._watchdog.stop()
+        for obj in self._objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
+        step = self.step_count
+        self.runtime.recover(
+            self._objects,
+            lambda: self.runtime.rejoin(self._objects, step=step, attempted=attempted,
+                                        failed_at=failed_at, failed=failed),
+            step)
+        self._follow_world()
+        self._watch_steps()
+
+    def _follow_world(self) -> None:
+        """After a re-formation: DDP on the new process group, the sampler's share of the
+        new world from the step to train on, that step's randomness."""
+        for ddp in self._ddps:
+            distributed.renew_ddp(ddp)
+        if self._sampler is not None:
+            total = global_batch(*self._batch_sizes, self.world_size)
+            self._sampler.reshard(self.rank, self.world_size, total)
+        torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))
+
+    def close(self, export: str | Path | None = None) -> None:
+        """Write the final checkpoint, wait for every rank, and leave the process group.
+
+        ``export``: a file that rank 0 writes the final model weights to, a plain state
+        dict (``.pt``, ``.pth``, ``.bin``: ``torch.save``; ``.safetensors``), where a
+        tutorial's final ``torch.save(model.state_dict(), ...)`` put them.
+
+        After a stop (``step()`` returned True) the checkpoint is written already and the
+        run is not over: no final checkpoint, no export, no ``end`` event. A node that was
+        not signalled then raises ``NodeStoppedError`` (see the module docstring).
+        """
+        if export is not None:
+            check_weights_file(Path(export))
+        self._watchdog.stop()  # the final checkpoint may take long: not a stalled step
+        if self.stopped_at is None:
+            target = None if export is None or not self._objects else Path(export)
+            model = self._objects.get("model")
+            self.runtime.end(self.step_count, self._objects, then=None if target is None else
+                             lambda: write_weights(model.state_dict(), target))
+        self._leave()
+        self.runtime.raise_if_node_stopped()
+
+    def _leave(self) -> None:
+        self._watchdog.stop()
+        self.runtime.close()
+        distributed.destroy_group()
+
+    def __enter__(self) -> ElasticSession:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._leave()
