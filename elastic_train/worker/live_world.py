@@ -7,7 +7,7 @@ worker's rank and world size, where the generation's process group forms, what w
 and a mode. Every worker of the world:
 
 - watches the generation from a thread; a newer one in mode ``abort`` (a worker or a node
-  was lost) fails its collectives at once (``distributed.abort_collectives``), so a
+  was lost) fails its collectives at once (``aborts.abort_collectives``), so a
   survivor blocked on any peer leaves its step; one in mode ``boundary`` (a node joins)
   lets the step finish: once the workers that start into it are built, ``reform_due`` is
   set and the next vote takes every rank out of the loop at the same step;
@@ -50,7 +50,7 @@ from elastic_train.live.messages import (
 )
 from elastic_train.live.peers import split_address, wake
 from elastic_train.live.plan import LIVE, Plan
-from elastic_train.worker import distributed
+from elastic_train.worker import aborts, distributed
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
 
@@ -176,7 +176,7 @@ class LiveWorld:
                         self._pending = announcement.plan
                         ready_store = None
                     else:
-                        distributed.abort_collectives(
+                        aborts.abort_collectives(
                             f"the world re-forms as generation {latest} "
                             f"({announcement.plan.cause})", latest)
                 pending = self._pending

@@ -45,7 +45,7 @@ from elastic_train.observe.event_schema import (
 )
 from elastic_train.observe.events import EventLog, EventObserver, Incarnation, previous_incarnation
 from elastic_train.rundir import RunDir
-from elastic_train.worker import distributed
+from elastic_train.worker import aborts, distributed
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.live_world import Failure, LiveWorld
@@ -235,7 +235,7 @@ class WorkerRuntime:
         other error waits ``OWN_FAILURE_GRACE`` for a re-formation announced meanwhile."""
         if self.live is None:
             return False
-        collective = distributed.is_collective_failure(exc)
+        collective = aborts.is_collective_failure(exc)
         if collective:
             self.live.report_failed_collective()
         return self.live.announced(None if collective else OWN_FAILURE_GRACE) is not None
@@ -280,7 +280,7 @@ class WorkerRuntime:
             raise LiveRecoveryError("the world was to re-form but this worker's agent "
                                     "announced no new generation; the job restarts from its "
                                     "newest checkpoint")
-        distributed.abandon_group()
+        aborts.abandon_group()
         self.set_group(self.live.join(), self.live.env)
         failed = attempted is not None if failed is None else failed
         marks = {"failed_at" if failed else "paused_at": failed_at or time.time(),

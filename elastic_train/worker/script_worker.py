@@ -9,7 +9,7 @@ Forkserver workers call ``run_script`` / ``run_module``; subprocess workers run
 
 An unmodified script gets the restart path and nothing else; its process groups are kept
 until the process ends and the process ends without the interpreter's teardown
-(``distributed.groups_kept_until_exit``: a gloo group freed right after the last
+(``aborts.groups_kept_until_exit``: a gloo group freed right after the last
 ``backward()`` can deadlock the worker, or abort it at exit).
 """
 
@@ -26,7 +26,7 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.worker.distributed import groups_kept_until_exit
+from elastic_train.worker.aborts import groups_kept_until_exit
 from elastic_train.worker.env import read_worker_env
 from elastic_train.worker.process_name import name_process
 

@@ -30,7 +30,7 @@ or a node joining, re-forms the world in place, with the same protocol as the bu
 trainer (worker/runtime.py: ``failed_step``, ``recover``). A hand-written loop's step has no commit
 point before ``optimizer.step()``, so the session makes one: ``wrap(model)`` gives DDP a
 gradient all-reduce that records a failure instead of raising it
-(``distributed.forgiving_allreduce_hook``), the ``step()`` of the registered optimizers and
+(``data_parallel.forgiving_allreduce_hook``), the ``step()`` of the registered optimizers and
 LR schedulers does nothing in a step that failed (a registered GradScaler's ``update()``
 keeps its scale; ``step_failed`` tells the loop's own code), and ``step(loss)`` then re-forms the
 world: the survivors keep their processes and state, the lowest rank holding the newest
@@ -58,10 +58,11 @@ from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.observe.event_schema import Step
 from elastic_train.observe.events import EventLog
 from elastic_train.rundir import RunDir
-from elastic_train.worker import distributed
+from elastic_train.worker import data_parallel, distributed, torch_seams
 from elastic_train.worker.batching import global_batch
+from elastic_train.worker.data_parallel import StepFailures
 from elastic_train.worker.determinism import make_deterministic
-from elastic_train.worker.distributed import Group, StepFailures
+from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv, read_worker_env
 from elastic_train.worker.live_world import live_world_for
 from elastic_train.worker.process_name import name_process
@@ -285,7 +286,7 @@ class ElasticSession:
             ddp_options.setdefault("device_ids", [self.device.index])
         ddp = DistributedDataParallel(model, init_sync=not in_sync, **ddp_options)
         if self.live is not None:
-            ddp.register_comm_hook(self._failures, distributed.forgiving_allreduce_hook)
+            ddp.register_comm_hook(self._failures, data_parallel.forgiving_allreduce_hook)
         self._ddps.append(ddp)
         return ddp
 
@@ -352,8 +353,7 @@ class ElasticSession:
             def gated_step(target: Any, *args: Any, **kwargs: Any) -> Any:
                 return None if failures.error is not None else step(*args, **kwargs)
 
-            if hasattr(step, "_wrapped_by_lr_sched"):  # an LR scheduler's, called through
-                gated_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            torch_seams.keep_lr_scheduler_mark(step, gated_step)  # an LR scheduler's
             # A bound method, as torch's LR schedulers expect of optimizer.step when they
             # wrap it to count the calls.
             obj.step = types.MethodType(gated_step, obj)
@@ -529,7 +529,7 @@ class ElasticSession:
         """After a re-formation: DDP on the new process group, the sampler's share of the
         new world from the step to train on, that step's randomness."""
         for ddp in self._ddps:
-            distributed.renew_ddp(ddp)
+            data_parallel.renew_ddp(ddp)
         if self._sampler is not None:
             total = global_batch(*self._batch_sizes, self.world_size)
             self._sampler.reshard(self.rank, self.world_size, total)

@@ -24,8 +24,9 @@ from elastic_train.process_exit import exit_process
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import Task, TaskContext
 from elastic_train.tasks.loader import load_task
+from elastic_train.worker.aborts import abandoned_groups
 from elastic_train.worker.determinism import make_deterministic
-from elastic_train.worker.distributed import abandoned_groups, destroy_group, init_group
+from elastic_train.worker.distributed import destroy_group, init_group
 from elastic_train.worker.env import WorkerEnv, read_worker_env
 from elastic_train.worker.live_world import live_world_for
 from elastic_train.worker.process_name import name_process

@@ -33,7 +33,7 @@ from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
 from elastic_train.rundir import RunDir
 from elastic_train.tasks.base import Task, collate
-from elastic_train.worker import distributed
+from elastic_train.worker import data_parallel, torch_seams
 from elastic_train.worker.batching import BatchPlan, plan_batch
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
@@ -327,7 +327,7 @@ class Trainer:
 
     def _wrap_model(self, *, in_sync: bool = False) -> DistributedDataParallel:
         """DDP over this world's group; under live recovery its gradient all-reduce is one
-        that a lost peer ends at once (distributed.abortable_allreduce_hook).
+        that a lost peer ends at once (data_parallel.abortable_allreduce_hook).
 
         ``in_sync``: every rank already holds the same state (a live recovery just sent
         it), so DDP's own check and broadcast of the parameters are skipped.
@@ -337,7 +337,7 @@ class Trainer:
             device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None,
             init_sync=not in_sync)
         if self.runtime.live is not None:
-            ddp.register_comm_hook(None, distributed.abortable_allreduce_hook)
+            ddp.register_comm_hook(None, data_parallel.abortable_allreduce_hook)
         ddp.train()
         return ddp
 
@@ -349,7 +349,7 @@ class Trainer:
         at a step boundary (a node joins) the step is committed and nothing is redone."""
         # The old world's DDP must not reduce gradients any more: its hooks on the
         # parameters go now, not when a garbage collection finds it.
-        ddp.reducer._remove_autograd_hooks()
+        torch_seams.remove_gradient_hooks(ddp)
         self.watchdog.stop()
         world_before = self.group.world_size
         attempted = None if at_boundary else self.state.step + 1

@@ -20,40 +20,40 @@ from elastic_train.live.spare import DELAY as SPARE_DELAY
 from elastic_train.live.spare import SPARE, place_key
 from elastic_train.observe.metrics import WorkerMetrics
 from elastic_train.observe.summary import summarize
-from elastic_train.worker import distributed
-from elastic_train.worker.distributed import CollectiveAborted
+from elastic_train.worker import aborts, data_parallel
+from elastic_train.worker.aborts import CollectiveAborted
 from elastic_train.worker.env import WorkerEnv
 
 
 @pytest.fixture(autouse=True)
 def not_aborted() -> Iterator[None]:
-    distributed._aborted = None
+    aborts._aborted = None
     yield
-    distributed._aborted = None
+    aborts._aborted = None
 
 
 def test_an_abortable_wait_returns_the_collectives_result() -> None:
     inner: torch.futures.Future = torch.futures.Future()
-    mine = distributed._abortable(inner)
+    mine = aborts.abortable(inner)
     inner.set_result([torch.ones(2)])
     assert mine.wait()[0].tolist() == [1.0, 1.0]
 
 
 def test_an_abort_ends_waits_now_and_fails_later_collectives_at_once() -> None:
     inner: torch.futures.Future = torch.futures.Future()
-    mine = distributed._abortable(inner)
-    distributed.abort_collectives("a worker was lost")
+    mine = aborts.abortable(inner)
+    aborts.abort_collectives("a worker was lost")
     with pytest.raises(CollectiveAborted, match="a worker was lost"):
         mine.wait()
     inner.set_result([torch.ones(1)])  # the stuck work ending later changes nothing
-    later = distributed._abortable(torch.futures.Future())
+    later = aborts.abortable(torch.futures.Future())
     with pytest.raises(CollectiveAborted):
         later.wait()
 
 
 def test_the_collectives_own_error_reaches_the_waiter() -> None:
     inner: torch.futures.Future = torch.futures.Future()
-    mine = distributed._abortable(inner)
+    mine = aborts.abortable(inner)
     inner.set_exception(RuntimeError("Connection closed by peer"))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         mine.wait()
@@ -68,17 +68,17 @@ def test_only_a_failed_collective_asks_the_agents_to_re_form() -> None:
             torch.distributed.DistBackendError("gloo: connection reset"),
             RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
                          "closed by peer [127.0.0.1]:23456")]
-    assert all(distributed.is_collective_failure(exc) for exc in lost)
+    assert all(aborts.is_collective_failure(exc) for exc in lost)
     try:  # a collective's error wrapped by the code that waited on it
         try:
             raise lost[2]
         except RuntimeError as inner:
             raise ValueError("the step failed") from inner
     except ValueError as outer:
-        assert distributed.is_collective_failure(outer)
+        assert aborts.is_collective_failure(outer)
     own = [ValueError("bad batch"), RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
            KeyError("tokens")]
-    assert not any(distributed.is_collective_failure(exc) for exc in own)
+    assert not any(aborts.is_collective_failure(exc) for exc in own)
 
 
 # ---- the agent's per-worker contexts --------------------------------------------------------
@@ -323,16 +323,16 @@ def test_a_renewed_ddp_has_the_buckets_of_a_new_one_and_keeps_its_hook() -> None
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        failures = distributed.StepFailures()
+        failures = data_parallel.StepFailures()
         trained = torch.nn.parallel.DistributedDataParallel(_Crossed(), bucket_cap_mb=1e-6)
-        trained.register_comm_hook(failures, distributed.forgiving_allreduce_hook)
+        trained.register_comm_hook(failures, data_parallel.forgiving_allreduce_hook)
         for _ in range(3):
             trained(torch.ones(2, 3)).sum().backward()
         new = torch.nn.parallel.DistributedDataParallel(_Crossed(), bucket_cap_mb=1e-6)
         assert _buckets(trained) != _buckets(new)        # rebuilt in the gradients' order
-        distributed.renew_ddp(trained)
+        data_parallel.renew_ddp(trained)
         assert _buckets(trained) == _buckets(new)
-        assert trained._comm_hooks == [(distributed.forgiving_allreduce_hook, failures)]
+        assert trained._comm_hooks == [(data_parallel.forgiving_allreduce_hook, failures)]
         trained.module.zero_grad()
         trained(torch.ones(2, 3)).sum().backward()
         assert failures.take() is None
@@ -349,11 +349,11 @@ def test_a_failed_gradient_all_reduce_is_recorded_and_backward_returns(
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        failures = distributed.StepFailures()
+        failures = data_parallel.StepFailures()
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
-        ddp.register_comm_hook(failures, distributed.forgiving_allreduce_hook)
-        monkeypatch.setattr(distributed, "_aborted", None)
-        distributed.abort_collectives("the world re-forms as generation 1 (worker lost)")
+        ddp.register_comm_hook(failures, data_parallel.forgiving_allreduce_hook)
+        monkeypatch.setattr(aborts, "_aborted", None)
+        aborts.abort_collectives("the world re-forms as generation 1 (worker lost)")
         ddp(torch.ones(2, 3)).sum().backward()
         error = failures.take()
         assert isinstance(error, CollectiveAborted)

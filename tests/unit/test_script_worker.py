@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elastic_train.worker import distributed
+from elastic_train.worker import aborts
 from elastic_train.worker.script_worker import main
 
 
@@ -19,18 +19,18 @@ def test_destroyed_groups_are_kept_while_a_script_runs(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # the private name this relies on (behind worker/distributed.py's seam), in the installed torch
     assert isinstance(dist.distributed_c10d._world.pg_map, Mapping)
-    monkeypatch.setattr(distributed, "_retained", [])
+    monkeypatch.setattr(aborts, "_retained", [])
     original = dist.destroy_process_group
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
                             world_size=1)
     world = dist.group.WORLD
-    with distributed.groups_kept_until_exit():
+    with aborts.groups_kept_until_exit():
         from torch.distributed import destroy_process_group  # as a user's script does
 
         assert destroy_process_group is not original
         destroy_process_group()
         assert not dist.is_initialized()
-    assert distributed._retained == [world] and distributed.retained_groups() == 1
+    assert aborts._retained == [world] and aborts.retained_groups() == 1
     assert dist.destroy_process_group is original
     assert dist.distributed_c10d.destroy_process_group is original
 

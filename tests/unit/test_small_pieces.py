@@ -635,22 +635,22 @@ def test_no_backend_thread_holds_a_callback_of_ours_once_the_group_is_destroyed(
     collective's callback must be released before the group goes."""
     import torch.distributed as dist
 
-    from elastic_train.worker import distributed
+    from elastic_train.worker import aborts, distributed
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
                             world_size=1)
-    monkeypatch.setattr(distributed, "_abandoned", [])  # other tests of this process did
+    monkeypatch.setattr(aborts, "_abandoned", [])  # other tests of this process did
     held = []
-    hold = distributed._hold_callback
-    distributed._hold_callback = lambda callback: (held.append(1), hold(callback))
+    hold = aborts._hold_callback
+    aborts._hold_callback = lambda callback: (held.append(1), hold(callback))
     try:
         for _ in range(100):  # gloo runs each one on its worker thread, as in a real world
-            distributed._wait(dist.all_reduce(torch.ones(3), async_op=True))
+            aborts.wait(dist.all_reduce(torch.ones(3), async_op=True))
         assert len(held) == 100  # every wait went through a callback a gloo thread ran
-        assert distributed.settle_callbacks(5.0)
-        assert distributed._callbacks_pending == 0
+        assert aborts.settle_callbacks(5.0)
+        assert aborts._callbacks_pending == 0
     finally:
-        distributed._hold_callback = hold
+        aborts._hold_callback = hold
         distributed.destroy_group()
     assert not dist.is_initialized()
 

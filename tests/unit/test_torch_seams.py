@@ -3,7 +3,9 @@ signature we use: declared by each side's seam module, checked here in one place
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,33 @@ def test_the_check_names_the_torch_version_and_what_is_gone() -> None:
     assert lines[1].endswith("we rely on (parameters, no_such_parameter) (elastic_train uses "
                              "it for a test)")
     assert len(lines) == 3 and "torch.no_such_module does not import" in lines[2]
+
+
+WORKER = Path(__file__).resolve().parents[2] / "elastic_train" / "worker"
+TORCH_OWNERS = ("torch", "dist", "c10d", "distributed_c10d")
+
+
+def private_torch_uses(source: str, private_names: set[str]) -> list[str]:
+    """``torch...._x`` / ``dist._x`` attributes, and any attribute named like one of the
+    seam's private names (``ddp.reducer._remove_autograd_hooks()``), in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") \
+                or node.attr.startswith("__"):
+            continue
+        owner = ast.unparse(node.value).split(".")[0]
+        if owner in TORCH_OWNERS or node.attr in private_names:
+            found.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return sorted(found)
+
+
+def test_the_worker_uses_torch_privates_only_through_its_seam() -> None:
+    from elastic_train.worker import torch_seams
+
+    names = {p.path.split(".")[-1] for p in torch_seams.REQUIRED if p.path.split(".")[-1][0] == "_"}
+    found = {path.name: private_torch_uses(path.read_text(), names)
+             for path in sorted(WORKER.glob("*.py")) if path.name != "torch_seams.py"}
+    assert {name: uses for name, uses in found.items() if uses} == {}
+    bad = "ddp.reducer._remove_autograd_hooks()\nx = dist.distributed_c10d._world\n"
+    assert private_torch_uses(bad, names) == ["ddp.reducer._remove_autograd_hooks (line 1)",
+                                              "dist.distributed_c10d._world (line 2)"]
