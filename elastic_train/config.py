@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
 import json
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,20 @@ OptionValue = str | int | float | bool
 
 BATCH_POLICIES = ("constant", "scale-lr")
 SAVE_FAILURE_POLICIES = ("continue", "stop")
+
+
+class RecoveryMode(enum.StrEnum):
+    """What happens after a worker or a node is lost (``--recovery``; ElasticSession's
+    ``recovery``); a str, so it compares and serialises as its value."""
+
+    LIVE = "live"
+    """Re-form the world in place: the survivors keep their processes, a restarted worker
+    takes the state from one of them (under ``elastic-train run``; agent/live_agent.py)."""
+    RESTART = "restart"
+    """Restart every worker from the newest checkpoint (what torchrun always does)."""
+
+
+RECOVERY_MODES = tuple(mode.value for mode in RecoveryMode)
 
 
 @dataclass(frozen=True)
@@ -75,7 +90,7 @@ class DistributedConfig:
     timeout_seconds: float = 120.0
     preemption_budget_seconds: float = 25.0
     step_timeout_seconds: float | None = 600.0
-    recovery: str = "live"
+    recovery: str = RecoveryMode.LIVE
 
 
 @dataclass(frozen=True)
@@ -197,10 +212,11 @@ OPTIONS: tuple[Option, ...] = (
            "fail a worker whose loop completes no step for this long, naming the stuck rank "
            "('off' to disable)", _optional_positive_float, "SECONDS"),
     Option("--recovery", "distributed", "recovery",
-           "after a worker dies: 'live' (elastic-train run on one node; the default) starts "
-           "only that worker again and it takes the state from a survivor, the others keep "
-           "running; 'restart' restarts every worker from the newest checkpoint (what "
-           "torchrun always does)", str, "MODE"),
+           "after a worker or a node is lost: 'live' (under elastic-train run, on one node "
+           "or several; the default) re-forms the world in place: the survivors keep "
+           "running, a restarted worker takes the state from one of them; 'restart' "
+           "restarts every worker from the newest checkpoint (what torchrun always does)",
+           str, "MODE"),
     Option("--preemption-budget", "distributed", "preemption_budget_seconds",
            "seconds from SIGTERM to exit, checkpoint included; keep it below the grace period",
            float),
@@ -305,7 +321,7 @@ def validate(config: JobConfig) -> JobConfig:
     _check(d.backend in ("auto", "gloo", "nccl"), "--backend", d.backend,
            "'auto', 'gloo' or 'nccl'")
     _check(d.timeout_seconds > 0, "--collective-timeout", d.timeout_seconds, "positive")
-    _check(d.recovery in ("live", "restart"), "--recovery", d.recovery, "'live' or 'restart'")
+    _check(d.recovery in RECOVERY_MODES, "--recovery", d.recovery, "'live' or 'restart'")
     _check(d.step_timeout_seconds is None or d.step_timeout_seconds > 0, "--step-timeout",
            d.step_timeout_seconds, "a positive number of seconds, or 'off'")
     _check(d.preemption_budget_seconds > 0, "--preemption-budget", d.preemption_budget_seconds,
@@ -316,6 +332,28 @@ def validate(config: JobConfig) -> JobConfig:
     _check(m.linger_seconds >= 0, "--metrics-linger", m.linger_seconds, ">= 0")
     _check(m.min_world_size >= 0, "--min-world-size", m.min_world_size, ">= 0 (0: not set)")
     return config
+
+
+def check_session_options(*, checkpoint_every: int | None, preemption_budget: float | None,
+                          on_save_failure: str, recovery: str,
+                          step_timeout: float | None) -> None:
+    """``ElasticSession``'s arguments, checked as ``validate`` checks the job's options and
+    named as the keyword arguments a hand-written loop passes."""
+    if checkpoint_every is not None and checkpoint_every <= 0:
+        raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
+                          "positive number of steps, or None")
+    if preemption_budget is not None and preemption_budget <= 0:
+        raise ConfigError(f"preemption_budget {preemption_budget} is invalid: it must be a "
+                          "positive number of seconds, or None")
+    if on_save_failure not in SAVE_FAILURE_POLICIES:
+        raise ConfigError(f"on_save_failure {on_save_failure!r} is invalid: use one of "
+                          f"{', '.join(SAVE_FAILURE_POLICIES)}")
+    if recovery not in RECOVERY_MODES:
+        raise ConfigError(f"recovery {recovery!r} is invalid: use one of "
+                          f"{', '.join(RECOVERY_MODES)}")
+    if step_timeout is not None and step_timeout <= 0:
+        raise ConfigError(f"step_timeout {step_timeout} is invalid: it must be a positive "
+                          "number of seconds, or None")
 
 
 def _parse_task_option(text: str) -> tuple[str, str]:

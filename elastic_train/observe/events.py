@@ -148,7 +148,7 @@ def _parse(line: bytes) -> dict[str, Any] | None:
 
 
 @dataclass(frozen=True)
-class Incarnation:
+class PreviousIncarnation:
     """What the log says about the incarnation before this one, within the same launch.
 
     ``world_size``: the world it ended at (its last step's; a world re-formed in place may
@@ -165,7 +165,7 @@ class Incarnation:
     """Its ``stopped`` event, if it stopped on purpose (a checkpoint write failed)."""
 
 
-def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
+def previous_incarnation(path: Path, run_id: str) -> PreviousIncarnation | None:
     """The newest ``start`` of ``run_id`` not followed by its ``end``, with its last step
     and last event.
 
@@ -188,8 +188,8 @@ def previous_incarnation(path: Path, run_id: str) -> Incarnation | None:
             if record.get("run_id") != run_id:
                 return None
             world = last_step.get("world_size") if last_step else None
-            return Incarnation(world or record.get("world_size"), int(record.get("restart", 0)),
-                               last_step.get("time") if last_step else None,
-                               int(last_step["step"]) if last_step else None, last_seen,
-                               stopped)
+            return PreviousIncarnation(
+                world or record.get("world_size"), int(record.get("restart", 0)),
+                last_step.get("time") if last_step else None,
+                int(last_step["step"]) if last_step else None, last_seen, stopped)
     return None

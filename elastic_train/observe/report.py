@@ -54,7 +54,7 @@ class Incarnation:
 
 
 @dataclass
-class Failure:
+class Downtime:
     """The end of an incarnation that did not finish, and how the next one resumed."""
 
     last_seen: float        # the failed incarnation's last logged event
@@ -79,7 +79,7 @@ class Timeline:
     total_steps: int | None
     incarnations: list[Incarnation]
     checkpoints: list[tuple[float, int]]          # (time, step) of every save
-    failures: list[Failure]
+    failures: list[Downtime]
     resizes: list[tuple[float, int, int]]         # (time, old, new world size)
     records: list[dict[str, Any]]
     live_recoveries: list[dict[str, Any]] = field(default_factory=list)
@@ -120,7 +120,7 @@ def timeline(events: Iterable[dict[str, Any]], run_id: str | None = None) -> Tim
     failures, resizes = [], []
     for before, after in itertools.pairwise(incarnations):
         seen = [r["time"] for r in records if before.started <= r["time"] < after.started]
-        failures.append(Failure(
+        failures.append(Downtime(
             last_seen=max(seen, default=before.started),
             last_step=before.steps[-1]["step"] if before.steps else None,
             resumed=after.steps[0]["time"] if after.steps else None,

@@ -19,7 +19,7 @@ from elastic_train.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class WorldBatch:
     """The batch of one incarnation: samples per optimizer step and the LR multiplier."""
 
     policy: str
@@ -30,7 +30,7 @@ class BatchPlan:
 
 
 def plan_batch(policy: str, batch_size: int, world_size: int,
-               reference_world_size: int) -> BatchPlan:
+               reference_world_size: int) -> WorldBatch:
     """The plan for ``world_size`` ranks; ``reference_world_size`` is W0 (see module)."""
     if policy == "constant":
         global_batch, lr_scale = batch_size, 1.0
@@ -44,7 +44,7 @@ def plan_batch(policy: str, batch_size: int, world_size: int,
         raise ConfigError(f"the global batch of {global_batch} samples is smaller than the "
                           f"world size {world_size}: every rank needs at least one sample; "
                           "raise --batch-size")
-    return BatchPlan(policy, global_batch, lr_scale, world_size, reference_world_size)
+    return WorldBatch(policy, global_batch, lr_scale, world_size, reference_world_size)
 
 
 def global_batch(batch_size: int | None, global_batch_size: int | None,

@@ -37,6 +37,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from elastic_train.config import RecoveryMode
 from elastic_train.errors import LiveRecoveryError
 from elastic_train.live.messages import (
     FAILED_COLLECTIVE_KEY,
@@ -65,7 +66,7 @@ barrier and the group costs this long, not the whole --collective-timeout."""
 
 
 @dataclass(frozen=True)
-class Failure:
+class LostMembers:
     """What a generation's plan says was lost."""
 
     ranks: list[int]
@@ -261,13 +262,13 @@ class LiveWorld:
                         "restarts from its newest checkpoint")
                 time.sleep(0.005)
 
-    def failure(self, generation: int) -> Failure:
+    def failure(self, generation: int) -> LostMembers:
         """What generation ``generation``'s plan says was lost."""
         try:
             plan = self._announcement(generation).plan
         except (RuntimeError, ValueError, KeyError):
-            return Failure([], None)
-        return Failure(list(plan.failed_ranks), plan.detected_at, plan.cause, len(plan.lost))
+            return LostMembers([], None)
+        return LostMembers(list(plan.failed_ranks), plan.detected_at, plan.cause, len(plan.lost))
 
 
 def live_needs_our_agent(silence: str) -> str:
@@ -282,7 +283,7 @@ def live_world_for(recovery: str, env: WorkerEnv, backend: str, timeout_seconds:
     """This worker's part in live recovery, when the job asks for it (``recovery`` is
     ``live``) and its agent can; else None, and rank 0 of a plain torchrun job says why
     once (``silence``: how the job asks for the restart path)."""
-    if recovery != "live" or not env.under_torchrun:
+    if recovery != RecoveryMode.LIVE or not env.under_torchrun:
         return None
     if not env.live_recovery or not env.live_store:
         if env.world_size > 1 and env.rank == 0 and env.restart_count == 0:

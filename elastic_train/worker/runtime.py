@@ -31,7 +31,7 @@ import torch
 from elastic_train.checkpoint.fence import WriterFence
 from elastic_train.checkpoint.manager import CheckpointManager, Restored, Stateful
 from elastic_train.checkpoint.storage import CheckpointStore
-from elastic_train.config import CheckpointConfig
+from elastic_train.config import CheckpointConfig, RecoveryMode
 from elastic_train.errors import LiveRecoveryError
 from elastic_train.observe.event_schema import (
     End,
@@ -43,12 +43,17 @@ from elastic_train.observe.event_schema import (
     Restart,
     Start,
 )
-from elastic_train.observe.events import EventLog, EventObserver, Incarnation, previous_incarnation
+from elastic_train.observe.events import (
+    EventLog,
+    EventObserver,
+    PreviousIncarnation,
+    previous_incarnation,
+)
 from elastic_train.rundir import RunDir
 from elastic_train.worker import aborts, distributed
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
-from elastic_train.worker.live_world import Failure, LiveWorld
+from elastic_train.worker.live_world import LiveWorld, LostMembers
 from elastic_train.worker.preemption import StopRequest, node_stopped
 from elastic_train.worker.save_failure import SaveFailureStop
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
@@ -79,8 +84,13 @@ class Vote:
         return self.stop or self.save_failed
 
 
-GO_ON = Vote(0.0, False, False)
+GO_ON = Vote(loss_sum=0.0, stop=False, save_failed=False)
 """The vote of a loop that ran out of steps (or ran none)."""
+
+# The vote's one all-reduce, slot by slot: the loss sum, how many ranks were signalled, the
+# save-failure stop, how many ranks see a node ready to join, then one slot per node (its
+# ranks that were signalled).
+_TALLY_LOSS, _TALLY_STOPS, _TALLY_SAVE_FAILED, _TALLY_REFORMS, _TALLY_NODES = range(5)
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,7 @@ class WorkerRuntime:
         self.stopped_nodes: tuple[int, ...] = ()
         self.live: LiveWorld | None = None
         """Set when this worker's world re-forms in place after a lost worker."""
-        self._previous: Incarnation | None = None
+        self._previous: PreviousIncarnation | None = None
         self._installed = False
         self._joined_at: float | None = None
         """When this worker, started into a running world, joined it."""
@@ -150,7 +160,7 @@ class WorkerRuntime:
         return self
 
     def start(self, *, total_steps: int | None, threads: int | None = None,
-              config: Mapping[str, Any] | None = None) -> Incarnation | None:
+              config: Mapping[str, Any] | None = None) -> PreviousIncarnation | None:
         """Every rank: log this incarnation's start and the rendezvous that formed it.
 
         Returns the previous incarnation of this launch as the log tells it (rank 0 only).
@@ -168,7 +178,7 @@ class WorkerRuntime:
         self._previous = previous
         return previous
 
-    def _record_rendezvous(self, previous: Incarnation | None) -> None:
+    def _record_rendezvous(self, previous: PreviousIncarnation | None) -> None:
         """The rendezvous that formed this world, and the resize if it is one.
 
         ``seconds`` is torch's agent's own measurement of the rendezvous when
@@ -202,7 +212,7 @@ class WorkerRuntime:
             previous = self._previous
             last = previous.last_step if previous is not None else None
             self.events.emit(Recovery(
-                kind="restart", restart=self.env.restart_count, step=restored.step,
+                kind=RecoveryMode.RESTART, restart=self.env.restart_count, step=restored.step,
                 world_size=self.group.world_size,
                 previous_world_size=previous.world_size if previous else None,
                 failed_ranks=None,
@@ -321,7 +331,7 @@ class WorkerRuntime:
         # the plan knows the world before (an arriving worker was in none)
         previous_world = self.live.plan.previous_world_size or previous_world
         self.events.emit(Recovery(
-            kind="live", restart=self.env.restart_count, step=rejoined.step,
+            kind=RecoveryMode.LIVE, restart=self.env.restart_count, step=rejoined.step,
             world_size=world, previous_world_size=previous_world,
             failed_ranks=failure.ranks, steps_redone=rejoined.steps_redone,
             seconds=round(since, 3) if since is not None else None, bytes=rejoined.bytes,
@@ -420,24 +430,26 @@ class WorkerRuntime:
             # No collective: rank 0's reason to stop (a fenced write) cannot reach the
             # others, so it must not end rank 0's loop alone (the final save reports it).
             alone = save_failed and self.group.world_size == 1
-            vote = Vote(0.0, stop, alone, (self.env.group_rank,) if stop else (),
-                        reform and self.group.world_size == 1)
+            vote = Vote(loss_sum=0.0, stop=stop, save_failed=alone,
+                        stopped_nodes=(self.env.group_rank,) if stop else (),
+                        reform=reform and self.group.world_size == 1)
         else:
-            # [loss sum, stop votes, save-failure stop, re-form, stop votes of node 0, ...]
-            tally = torch.zeros(4 + self.env.group_world_size, dtype=torch.float64,
+            tally = torch.zeros(_TALLY_NODES + self.env.group_world_size, dtype=torch.float64,
                                 device=self.group.device)
             if loss_sum is not None:
-                tally[0] = loss_sum
+                tally[_TALLY_LOSS] = loss_sum
             if stop:
-                tally[1] = tally[4 + self.env.group_rank] = 1.0
+                tally[_TALLY_STOPS] = tally[_TALLY_NODES + self.env.group_rank] = 1.0
             if save_failed:
-                tally[2] = 1.0
+                tally[_TALLY_SAVE_FAILED] = 1.0
             if reform:
-                tally[3] = 1.0
-            total, stops, failed, reforms, *by_node = distributed.sum_over_ranks(self.group,
-                                                                                tally)
-            vote = Vote(total, stops > 0, failed > 0,
-                        tuple(node for node, v in enumerate(by_node) if v > 0), reforms > 0)
+                tally[_TALLY_REFORMS] = 1.0
+            summed = distributed.sum_over_ranks(self.group, tally)
+            vote = Vote(loss_sum=summed[_TALLY_LOSS], stop=summed[_TALLY_STOPS] > 0,
+                        save_failed=summed[_TALLY_SAVE_FAILED] > 0,
+                        stopped_nodes=tuple(node for node, v in
+                                            enumerate(summed[_TALLY_NODES:]) if v > 0),
+                        reform=summed[_TALLY_REFORMS] > 0)
         if vote.stop:
             self.stopped_nodes = vote.stopped_nodes
         return vote
@@ -503,7 +515,7 @@ class WorkerRuntime:
             raise node_stopped(list(self.stopped_nodes), self.stopped_at)
 
 
-def _recovery_line(failure: Failure, before: int, after: int, generation: int,
+def _recovery_line(failure: LostMembers, before: int, after: int, generation: int,
                    rejoined: Rejoined) -> str:
     """What rank 0 says about a live recovery."""
     state = (f"at step {rejoined.step}: {rejoined.bytes} bytes of state sent, "

@@ -21,7 +21,7 @@ from typing import Any
 from elastic_train.checkpoint.manager import CheckpointManager
 from elastic_train.errors import CheckpointStopError, StaleWorldError
 from elastic_train.observe.event_schema import Stopped
-from elastic_train.observe.events import EventLog, Incarnation
+from elastic_train.observe.events import EventLog, PreviousIncarnation
 from elastic_train.worker import distributed
 from elastic_train.worker.distributed import Group
 
@@ -82,7 +82,7 @@ class SaveFailureStop:
         kind, line = distributed.broadcast_json(self.group, message)
         raise (StaleWorldError if kind == "fenced" else CheckpointStopError)(line)
 
-    def refuse_restart(self, previous: Incarnation | None, root: Path) -> None:
+    def refuse_restart(self, previous: PreviousIncarnation | None, root: Path) -> None:
         """Every rank, at start: fail at once if the agent restarted us after such a stop."""
         if not self.enabled:
             return

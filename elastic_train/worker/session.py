@@ -53,18 +53,16 @@ from torch.utils.data import DataLoader
 
 from elastic_train.checkpoint.export import check_weights_file, write_weights
 from elastic_train.checkpoint.manager import CheckpointManager, Stateful
-from elastic_train.config import SAVE_FAILURE_POLICIES, CheckpointConfig
+from elastic_train.config import CheckpointConfig, RecoveryMode, check_session_options
 from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.observe.event_schema import Step
 from elastic_train.observe.events import EventLog
-from elastic_train.rundir import RunDir
 from elastic_train.worker import data_parallel, distributed, torch_seams
 from elastic_train.worker.batching import global_batch
+from elastic_train.worker.bootstrap import join_world, place_worker
 from elastic_train.worker.data_parallel import StepFailures
-from elastic_train.worker.determinism import make_deterministic
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv, read_worker_env
-from elastic_train.worker.live_world import live_world_for
 from elastic_train.worker.process_name import name_process
 from elastic_train.worker.runtime import WorkerRuntime
 from elastic_train.worker.sampler import ElasticBatchSampler
@@ -72,7 +70,6 @@ from elastic_train.worker.seeding import derive_seed
 from elastic_train.worker.timeline import process_start_time
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
-RECOVERY_MODES = ("live", "restart")
 LIVE_NEEDS_WRAP = ("live recovery needs the model wrapped by session.wrap(model) (in place "
                    "of DDP(model)), before restore(): this job restarts from its newest "
                    "checkpoint on a failure instead (ElasticSession(..., recovery=\"restart\") "
@@ -126,7 +123,7 @@ class ElasticSession:
                  checkpoint_interval: float | None = None, keep_checkpoints: int = 3,
                  seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
                  preemption_budget: float | None = 25.0, on_save_failure: str = "continue",
-                 deterministic: bool = False, recovery: str = "live",
+                 deterministic: bool = False, recovery: str = RecoveryMode.LIVE,
                  step_timeout: float | None = None, env: WorkerEnv | None = None) -> None:
         """``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit (keep
         it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python.
@@ -140,40 +137,20 @@ class ElasticSession:
         collective) and killed where it runs on this host, so that the world re-forms
         (live recovery) or the job restarts, instead of waiting out ``timeout_seconds``;
         None (the default): no step watchdog (the built-in job's ``--step-timeout``)."""
-        if checkpoint_every is not None and checkpoint_every <= 0:
-            raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
-                              "positive number of steps, or None")
-        if preemption_budget is not None and preemption_budget <= 0:
-            raise ConfigError(f"preemption_budget {preemption_budget} is invalid: it must be a "
-                              "positive number of seconds, or None")
-        if on_save_failure not in SAVE_FAILURE_POLICIES:
-            raise ConfigError(f"on_save_failure {on_save_failure!r} is invalid: use one of "
-                              f"{', '.join(SAVE_FAILURE_POLICIES)}")
-        if recovery not in RECOVERY_MODES:
-            raise ConfigError(f"recovery {recovery!r} is invalid: use one of "
-                              f"{', '.join(RECOVERY_MODES)}")
-        if step_timeout is not None and step_timeout <= 0:
-            raise ConfigError(f"step_timeout {step_timeout} is invalid: it must be a positive "
-                              "number of seconds, or None")
-        if deterministic:
-            make_deterministic()
-        env = env or read_worker_env()
-        self.live = live_world_for(recovery, env, backend, timeout_seconds,
-                                   'ElasticSession(..., recovery="restart")')
-        if self.live is not None:  # this worker's place comes from its agent's plan
-            env = self.live.env
-            name_process(env.rank)
+        check_session_options(checkpoint_every=checkpoint_every,
+                              preemption_budget=preemption_budget,
+                              on_save_failure=on_save_failure, recovery=recovery,
+                              step_timeout=step_timeout)
+        place = place_worker(env or read_worker_env(), run_dir, recovery=recovery,
+                             backend=backend, timeout_seconds=timeout_seconds,
+                             restart_spelling='ElasticSession(..., recovery="restart")',
+                             deterministic=deterministic)
+        self.live = place.live
+        env = place.env
         self.run_dir = Path(run_dir)
         self.seed = seed
-        layout = RunDir(self.run_dir)
-        if env.rank == 0:
-            layout.prepare()
-        if self.live is not None and self.live.arriving:  # joins once its model is built
-            group = self.live.provisional_group()
-        elif self.live is not None:
-            group = self.live.join()
-        else:
-            group = distributed.init_group(env, backend, timeout_seconds)
+        layout = place.run_dir
+        group = join_world(place, backend, timeout_seconds)
         policy = CheckpointConfig(checkpoint_every, checkpoint_interval, keep_checkpoints,
                                   on_save_failure=on_save_failure)
         self.runtime = WorkerRuntime(layout, env, group, policy,

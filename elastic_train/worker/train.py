@@ -21,14 +21,12 @@ from elastic_train.errors import ElasticTrainError, NodeStoppedError
 from elastic_train.live.spare import is_spare, take_place, wait_for_place
 from elastic_train.observe.metrics_server import WorkerEndpoint, serve_worker_metrics
 from elastic_train.process_exit import exit_process
-from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import Task, TaskContext
 from elastic_train.tasks.loader import load_task
 from elastic_train.worker.aborts import abandoned_groups
-from elastic_train.worker.determinism import make_deterministic
-from elastic_train.worker.distributed import destroy_group, init_group
+from elastic_train.worker.bootstrap import join_world, place_worker
+from elastic_train.worker.distributed import destroy_group
 from elastic_train.worker.env import WorkerEnv, read_worker_env
-from elastic_train.worker.live_world import live_world_for
 from elastic_train.worker.process_name import name_process
 from elastic_train.worker.trainer import Built, Trainer, build_task, warm_up
 
@@ -98,28 +96,19 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
     linger = 0.0
     try:
         config = parse_job_args(args)
-        live = live_world_for(config.distributed.recovery, env, config.distributed.backend,
-                              config.distributed.timeout_seconds, "--recovery restart")
-        if live is not None:  # this worker's place comes from its agent's plan
-            env = live.env
-        name_process(env.rank)
+        d = config.distributed
+        place = place_worker(env, config.run_dir, recovery=d.recovery, backend=d.backend,
+                             timeout_seconds=d.timeout_seconds,
+                             restart_spelling="--recovery restart",
+                             deterministic=config.train.deterministic, own_process=True)
+        env, live = place.env, place.live
         log_handler = _setup_logging(env.rank)
-        if config.train.deterministic:
-            make_deterministic()
-        if env.rank == 0:
-            prepare_run_dir(config.run_dir)
         endpoint = serve_worker_metrics(config, env)
         task = built.task if built is not None else load_task(
             config.train.task, TaskContext(config.train.task_options, config.train.seed,
                                            config.run_dir))
         group_began = time.time()
-        if live is not None and live.arriving:  # joins once its model is built (trainer)
-            group = live.provisional_group()
-        elif live is not None:
-            group = live.join()
-        else:
-            group = init_group(env, config.distributed.backend,
-                               config.distributed.timeout_seconds)
+        group = join_world(place, d.backend, d.timeout_seconds)
         marks = {"imported": imported_at or IMPORTED, "group_began": group_began,
                  "group_ready": time.time()}
         observers = [endpoint.metrics.observe] if endpoint is not None else []

@@ -26,15 +26,15 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.checkpoint.manager import Restored
 from elastic_train.config import JobConfig
 from elastic_train.errors import ConfigError
-from elastic_train.observe.event_schema import BatchPlan as BatchPlanEvent
 from elastic_train.observe.event_schema import Startup, Step
+from elastic_train.observe.event_schema import BatchPlan as BatchPlanEvent
 from elastic_train.observe.events import EventObserver, read_events
 from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
 from elastic_train.rundir import RunDir
 from elastic_train.tasks.base import Task, collate
 from elastic_train.worker import data_parallel, torch_seams
-from elastic_train.worker.batching import BatchPlan, plan_batch
+from elastic_train.worker.batching import WorldBatch, plan_batch
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.live_world import LiveWorld
@@ -149,7 +149,7 @@ class Trainer:
         self._in_flight: dict[str, Any] | None = None
         """The sampler's state before the step in flight, until every rank agreed on it."""
         # Replaced after the restore by the job's policy (see _plan_batch).
-        self.plan = BatchPlan("constant", config.train.batch_size, 1.0, group.world_size,
+        self.plan = WorldBatch("constant", config.train.batch_size, 1.0, group.world_size,
                               group.world_size)
         self._samples_file: TextIO | None = None
         self._marks = {"process_start": process_start_time(), **(marks or {})}

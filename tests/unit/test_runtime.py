@@ -273,14 +273,14 @@ def test_a_new_rank_after_a_reformation_is_passed_on_and_the_same_rank_is_not(
 
 def test_a_world_re_formed_in_a_new_round_is_said_without_an_unknown_rank():
     from elastic_train.worker.distributed import Group
-    from elastic_train.worker.live_world import Failure
+    from elastic_train.worker.live_world import LostMembers
     from elastic_train.worker.runtime import Rejoined, _recovery_line
 
     rejoined = Rejoined(Group(0, 1, "gloo", torch.device("cpu")), 104, 1, 0, 0)
-    line = _recovery_line(Failure([], None, "new round"), 2, 1, 1, rejoined)
+    line = _recovery_line(LostMembers([], None, "new round"), 2, 1, 1, rejoined)
     assert line == ("live recovery: the world from 2 to 1 workers re-formed in place (new "
                     "round, generation 1) at step 104: 0 bytes of state sent, 1 step redone")
-    assert "rank ?" not in _recovery_line(Failure([], None, "collective failed"), 2, 2, 3,
+    assert "rank ?" not in _recovery_line(LostMembers([], None, "collective failed"), 2, 2, 3,
                                           rejoined)
-    assert _recovery_line(Failure([1], None, "worker lost"), 2, 2, 3, rejoined).startswith(
+    assert _recovery_line(LostMembers([1], None, "worker lost"), 2, 2, 3, rejoined).startswith(
         "live recovery: rank 1 started again, the world of 2 re-formed in place")
