@@ -376,15 +376,23 @@ def node(run_dir: Path, name: str, rdzv: Sequence[str], job_args: Sequence[str],
     return start(argv, run_dir, env, log_name=name)
 
 
+def documentation() -> list[Path]:
+    """The pages a user reads: the README, then docs/*.md."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
 def readme_commands() -> list[str]:
-    """Every ``$ command`` line of the README's console blocks."""
-    return re.findall(r"^\$ (.+)$", (REPO / "README.md").read_text(), flags=re.M)
+    """Every ``$ command`` line of the console blocks of the README and docs/*.md, in that
+    order, each once (the README shows a few that a page repeats)."""
+    found = [c for page in documentation()
+             for c in re.findall(r"^\$ (.+)$", page.read_text(), flags=re.M)]
+    return list(dict.fromkeys(found))
 
 
 def readme_command(*needles: str) -> str:
-    """The one README command that contains every needle."""
+    """The one documented command (README or docs/) that contains every needle."""
     found = [c for c in readme_commands() if all(n in c for n in needles)]
-    assert len(found) == 1, f"README commands with {needles}: {found}"
+    assert len(found) == 1, f"documented commands with {needles}: {found}"
     return found[0]
 
 

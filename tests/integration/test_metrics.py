@@ -156,16 +156,17 @@ def this_machines_other_address() -> str | None:
 
 
 def documented_metrics() -> set[str]:
-    """Every metric name in the README's table of a worker's series."""
-    text = (harness.REPO / "README.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| `elastic_train_")]
+    """Every metric name in the documented table of a worker's series (docs/metrics.md;
+    the README and every other page are read too, wherever the table is)."""
+    rows = [line for page in harness.documentation() for line in page.read_text().splitlines()
+            if line.startswith("| `elastic_train_")]
     return {name for row in rows for name in re.findall(r"`(elastic_train_[a-z_]+)", row)}
 
 
 def test_metrics_bind_only_the_given_address_and_expose_only_the_documented(
         tmp_path: Path) -> None:
     """A worker started with --metrics-address 127.0.0.1 listens on loopback alone; its
-    endpoint serves the README's metrics and labels, and none of the job's paths or the
+    endpoint serves the documented metrics and labels, and none of the job's paths or the
     environment's secrets."""
     run_dir = tmp_path / "run-dir-not-exposed"
     port = harness.free_ports(1)

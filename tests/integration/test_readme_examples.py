@@ -1,4 +1,4 @@
-"""The README's commands run as written, and the examples do what the README says."""
+"""The commands of the README and docs/ run as written, and the examples do what they say."""
 
 from __future__ import annotations
 
@@ -22,19 +22,15 @@ from tests.integration import harness, prom
 
 pytestmark = pytest.mark.slow
 
-README = harness.REPO / "README.md"
 TIMEOUT = 240
-
-
-def readme_commands() -> list[str]:
-    """Every ``$ command`` line of the README's console blocks."""
-    return re.findall(r"^\$ (.+)$", README.read_text(), flags=re.M)
+# Every ``$ command`` line of the README and docs/*.md, README first, each once.
+readme_commands = harness.readme_commands
 
 
 def run_readme_command(command: str, cwd: Path, extra: list[str] = (),
                        env: dict[str, str] | None = None) -> harness.Job:
-    """Start a README command in ``cwd`` (the console scripts resolved to this Python)."""
-    assert command in readme_commands(), f"not in the README: {command}"
+    """Start a documented command in ``cwd`` (the console scripts resolved to this Python)."""
+    assert command in readme_commands(), f"not in the README or docs/: {command}"
     argv = shlex.split(command) + list(extra)
     if "elastic_train.train" in argv or argv[:2] == ["elastic-train", "run"]:
         argv = harness.with_metrics_ports(argv)

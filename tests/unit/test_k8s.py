@@ -300,7 +300,7 @@ def test_the_k8s_readme_names_every_overlay_and_pet_variable() -> None:
 
 
 def test_every_kubectl_apply_in_the_docs_names_an_overlay() -> None:
-    for doc in (REPO / "README.md", K8S / "README.md"):
+    for doc in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), K8S / "README.md"):
         for target in re.findall(r"kubectl apply -k (\S+)", doc.read_text()):
             if target.startswith("k8s/"):
                 assert (REPO / target / "kustomization.yaml").is_file(), (doc, target)
