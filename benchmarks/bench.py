@@ -4,10 +4,11 @@
     python benchmarks/bench.py --quick         # one repetition, small model only
     python benchmarks/bench.py --nproc 2,1     # steady state also with one worker, so that
                                                # a core is left to the writer (a GPU node)
-    python benchmarks/bench.py --skip-recovery --compare-with ../before
+    python benchmarks/bench.py --quick --compare-with ../before
                                                # before vs after a change: the job of
                                                # another checkout (git worktree add
-                                               # ../before HEAD~1) in the same rotation
+                                               # ../before HEAD~1) in the same rotation,
+                                               # steady state and recovery
 
 Every figure is a ratio against a baseline measured in the same invocation (the machines
 are shared and noisy), with the median and the spread (min-max) over the repetitions:
@@ -95,8 +96,8 @@ def _run_ours(run_dir: Path, p: Preset, every: int, tree: Path | None = None,
     args = ["--preset", p.name, "--steps", str(p.steps), "--batch-size", str(p.batch),
             "--checkpoint-every", str(every) if every else "off", "--log-every", "1000",
             "--max-restarts", "3", "--warmup-steps", "0", "--nproc-per-node", str(p.nproc)]
-    if tree is None:
-        args += ["--recovery", recovery, "--hot-spare", "on" if spare else "off"]
+    if tree is None or recovery != "live" or not spare:  # the other tree: any since the
+        args += ["--recovery", recovery, "--hot-spare", "on" if spare else "off"]  # spare
     env = None if tree is None else harness.job_env({"PYTHONPATH": str(tree)})
     return harness.elastic_run(run_dir, args, env)
 
@@ -345,8 +346,8 @@ def _kill_and_wait(job: harness.Job, read: Callable[[], list[dict[str, Any]]], k
         job.stop()
 
 
-def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int, spare: bool
-                        ) -> dict[str, float]:
+def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int, spare: bool,
+                        tree: Path | None = None) -> dict[str, float]:
     """Our live recovery: kill -> the next completed step, with no worker group restart
     (``spare``: with the hot spare, the default)."""
     def recovered(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -356,7 +357,7 @@ def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int, spare: bool
         return [live[0], after[0]] if after else []
 
     launched = time.time()
-    job = _run_ours(run_dir, p, p.every, recovery="live", spare=spare)
+    job = _run_ours(run_dir, p, p.every, tree, recovery="live", spare=spare)
     took_place: list[bool] = []
     k = _kill_and_wait(job, lambda: _our_log(run_dir), kill_at, launched, recovered,
                        took_place)
@@ -380,11 +381,12 @@ def _live_recovery_once(run_dir: Path, p: Preset, kill_at: int, spare: bool
     }
 
 
-def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[str, float]:
+def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int,
+                   tree: Path | None = None) -> dict[str, float]:
     """The restart path (ours with --recovery restart, or the baseline): kill -> the first
     step of the restarted workers, by start-up stage."""
     launched = time.time()
-    job = _run_ours(run_dir, p, p.every, recovery="restart") if ours \
+    job = _run_ours(run_dir, p, p.every, tree, recovery="restart") if ours \
         else _run_baseline(run_dir, p, p.every)
     read = (lambda: _our_log(run_dir)) if ours else (lambda: _baseline_log(run_dir))
     k = _kill_and_wait(job, read, kill_at, launched, lambda events: [
@@ -408,18 +410,23 @@ def _recovery_once(run_dir: Path, ours: bool, p: Preset, kill_at: int) -> dict[s
     }
 
 
-def recovery(tmp: Path, reps: int) -> None:
+def recovery(tmp: Path, reps: int, other: Path | None = None) -> None:
+    """``other``: another checkout whose restart and live recovery run in the same rotation
+    (--compare-with), printed as a before/after table."""
     p = Preset("small", 100000, 16, 10)
     labels = ("baseline", "restart", "live, no spare", "live")
-    results: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    compared = ("restart, other tree", "live, other tree") if other is not None else ()
+    results: dict[str, list[dict[str, float]]] = {label: [] for label in labels + compared}
     for r in range(reps):
-        for label in labels:
+        for label in labels + compared:
             kill_at = 25 + 3 * r
             run_dir = tmp / f"recovery-{label.replace(', ', '-').replace(' ', '-')}-{r}" / "run"
+            tree = other if label in compared else None
             results[label].append(
-                _live_recovery_once(run_dir, p, kill_at, spare=label == "live")
+                _live_recovery_once(run_dir, p, kill_at, spare="no spare" not in label,
+                                    tree=tree)
                 if label.startswith("live")
-                else _recovery_once(run_dir, label == "restart", p, kill_at))
+                else _recovery_once(run_dir, label.startswith("restart"), p, kill_at, tree))
     print(f"\n## 3-4. Recovery after SIGKILL of one worker (small preset, c10d, checkpoint "
           f"every {p.every}, {reps} repetition(s); live: with the hot spare, the default)")
     print("| part | baseline s | ours, restart s | ours, live, no spare s | ours, live s | "
@@ -434,6 +441,18 @@ def recovery(tmp: Path, reps: int) -> None:
         print(f"| {key} | {_summary(base)} | {_summary(restart)} | {_summary(unspared)} | "
               f"{_summary(live)} | {_ratio(restart, base)} | {_ratio(unspared, restart)} | "
               f"{_ratio(live, restart)} |")
+    if other is not None:
+        print(f"\n### The same kills, this tree against {other} (same rotation)")
+        print("| part | restart, other s | restart, this s | this / other | live, other s | "
+              "live, this s | this / other |")
+        print("|---|---|---|---|---|---|---|")
+        for key in ("total", "detected", "first step", "lost steps", "job start"):
+            r_other, r_this, l_other, l_this = (
+                [x[key] for x in results[label] if not x["failed"] and key in x]
+                for label in ("restart, other tree", "restart", "live, other tree", "live"))
+            print(f"| {key} | {_summary(r_other)} | {_summary(r_this)} | "
+                  f"{_ratio(r_this, r_other)} | {_summary(l_other)} | {_summary(l_this)} | "
+                  f"{_ratio(l_this, l_other)} |")
     for label, runs in results.items():
         failed = sum(int(x["failed"]) for x in runs)
         print(f"{label}: {len(runs) - failed} of {len(runs)} kills recovered"
@@ -452,7 +471,8 @@ def main() -> int:
     parser.add_argument("--skip-steady", action="store_true")
     parser.add_argument("--compare-with", type=Path, metavar="TREE",
                         help="another checkout (e.g. a git worktree of the previous commit) "
-                        "whose job runs in the same steady-state rotation: before vs after")
+                        "whose job runs in the same rotation, steady state and recovery: "
+                        "before vs after")
     ns = parser.parse_args()
     reps = 1 if ns.quick else ns.reps
     names = ["small"] if ns.quick else ns.presets.split(",")
@@ -463,7 +483,7 @@ def main() -> int:
     if not ns.skip_steady:
         steady_state(tmp, presets, reps, ns.compare_with)
     if not ns.skip_recovery:
-        recovery(tmp, reps)
+        recovery(tmp, reps, ns.compare_with)
     return 0
 
 
