@@ -40,6 +40,7 @@ so a worker that fails again and again ends in the restart path, then the job's 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -59,14 +61,19 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerGroup,
     WorkerState,
 )
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
+from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
 from elastic_train.agent.exit_watch import ExitWatch
 from elastic_train.agent.failure_detector import TIMEOUT as DETECTOR_TIMEOUT
 from elastic_train.agent.failure_detector import Peer, PeerHeartbeats
 from elastic_train.agent.store_binding import listening_store
+from elastic_train.agent.torch_seams import (
+    TorchAgent,
+    agent_class_replaced,
+    start_processes_replaced,
+    worker_logs_specs,
+)
 from elastic_train.agent.worker_start import stop_worker_server
 from elastic_train.errors import RendezvousStoreLostError
 from elastic_train.live.environment import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
@@ -314,48 +321,39 @@ def live_worker_env(env: dict[str, str], live_store: str, generation: int = 0,
             LIVE_GENERATION: str(generation), **nccl}
 
 
-def _worker_logs_specs(specs: LogsSpecs, local_rank: int) -> LogsSpecs:
-    """Log destinations of one worker's own context: a folder per worker and start under
-    the job's log folder (each context would otherwise write ``attempt_N/0``)."""
-    root = getattr(specs, "root_log_dir", None)
-    log_dir = os.path.join(root, f"local_rank_{local_rank}") \
-        if root and root != os.devnull else None
+@dataclass(frozen=True)
+class LiveOptions:
+    """What ``elastic-train run`` tells its agent (``live_agent_installed`` hands it to each
+    agent torch's launcher builds)."""
 
-    def of_this_worker(value: Any) -> Any:  # one Std for all workers, or one per local rank
-        return value.get(local_rank, Std.NONE) if isinstance(value, dict) else value
+    recovery: str = "live"
+    """'live' or 'restart' (the job's --recovery)."""
+    listen_host: str | None = None
+    """The IP address the agent's store listens on (None: every interface;
+    store_binding.node_store_host)."""
+    hot_spare: bool = False
+    """Keep a spare worker forked and built (live/spare.py; ``--hot-spare``, the built-in
+    trainer only)."""
+    peer_timeout: float = DETECTOR_TIMEOUT
+    """Seconds a peer may be unheard before it is suspected (agent/failure_detector.py; 0: no
+    detector; ``--peer-timeout``)."""
+    store_lost_seconds: float = C10D_JOIN_TIMEOUT
+    """How long a c10d node whose store went silent waits for it to answer again (a
+    cut-off node whose cable comes back rejoins) before it ends with one line: the
+    rendezvous' ``join_timeout``, as long as a node may wait to join."""
+    min_nodes: int = 1
+    """The job's minimum of nodes (``--nnodes MIN:MAX``): a world is never re-formed in
+    place with fewer."""
 
-    return DefaultLogsSpecs(log_dir=log_dir,
-                            redirects=of_this_worker(getattr(specs, "_redirects", Std.NONE)),
-                            tee=of_this_worker(getattr(specs, "_tee", Std.NONE)))
 
-
-class LiveRecoveryAgent(LocalElasticAgent):
+class LiveRecoveryAgent(TorchAgent):
     """torch's local agent, with workers started again one by one and worlds re-formed in
     place across agents (see the module)."""
 
-    recovery = "live"
-    """'live' or 'restart' (the job's --recovery); set by ``live_agent_installed``."""
-    listen_host: str | None = None
-    """The IP address the agent's store listens on (None: every interface); set by
-    ``live_agent_installed`` (store_binding.node_store_host)."""
-    hot_spare = False
-    """Keep a spare worker forked and built (live/spare.py); set by ``live_agent_installed``
-    (``--hot-spare``, the built-in trainer only)."""
-    peer_timeout = DETECTOR_TIMEOUT
-    """Seconds a peer may be unheard before it is suspected (agent/failure_detector.py; 0: no
-    detector); set by ``live_agent_installed`` (``--peer-timeout``)."""
-    min_nodes = 1
-    """The job's minimum of nodes (``--nnodes MIN:MAX``): a world is never re-formed in
-    place with fewer; set by ``live_agent_installed``."""
-    store_lost_seconds = C10D_JOIN_TIMEOUT
-    """How long a c10d node whose store went silent waits for it to answer again (a
-    cut-off node whose cable comes back rejoins) before it ends with one line: the
-    rendezvous' ``join_timeout``, as long as a node may wait to join; set by
-    ``live_agent_installed``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, options: LiveOptions | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._live_left = self._worker_group.spec.max_restarts
+        self.options = options or LiveOptions()
+        self._live_left = self.get_worker_group().spec.max_restarts
         self._node_store: dist.TCPStore | None = None
         self.address = ""
         """This agent's id in a plan: HOST:PORT of its store."""
@@ -368,7 +366,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         self._round_agents = 1  # agents of the rendezvous round (torch's group world size)
         # torch's loop sleeps --monitor-interval before each check; here the check waits
         # for it instead, and a call or a worker's report (WAKE_KEY) ends the wait at once.
-        spec = self._worker_group.spec
+        spec = self.get_worker_group().spec
         self._interval, spec.monitor_interval = spec.monitor_interval, 0.0
         self._wake = threading.Event()
         self._waker: threading.Thread | None = None
@@ -391,7 +389,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
     # ---- whether and where -----------------------------------------------------------------
     def _live_possible(self, worker_group: WorkerGroup) -> str | None:
         """None when this group's worlds can re-form in place, else why not."""
-        if self.recovery != "live":
+        if self.options.recovery != "live":
             return "--recovery restart"
         backend = worker_group.spec.rdzv_handler.get_backend()
         if (worker_group.group_world_size or 1) > 1 and backend not in ACROSS_NODES:
@@ -404,23 +402,23 @@ class LiveRecoveryAgent(LocalElasticAgent):
             return
         # for the agent's life; the workers' keys carry the restart count
         options: dict[str, Any] = {"wait_for_workers": False, "timeout": timedelta(seconds=60)}
-        if self.listen_host is not None:  # where its clients are (agent/store_binding.py)
-            self._node_store = listening_store(self.listen_host, 0, **options)
-            host = self.listen_host
+        if self.options.listen_host is not None:  # where its clients are (agent/store_binding.py)
+            self._node_store = listening_store(self.options.listen_host, 0, **options)
+            host = self.options.listen_host
         else:
             self._node_store = dist.TCPStore(worker_group.master_addr or "127.0.0.1", 0,
                                              is_master=True, **options)
             host = worker_group.spec.local_addr or socket.getfqdn()
         self.address = f"{host}:{self._node_store.port}"
-        if self.peer_timeout > 0:
-            self._heartbeats = PeerHeartbeats(self.listen_host or "0.0.0.0",
+        if self.options.peer_timeout > 0:
+            self._heartbeats = PeerHeartbeats(self.options.listen_host or "0.0.0.0",
                                               on_suspect=self._on_silent,
-                                              timeout=self.peer_timeout)
+                                              timeout=self.options.peer_timeout)
             self.beat = self._heartbeats.beat_address(host)
         if hasattr(self._node_store, "queue_pop"):
             # its own client, where the store listens (only on --local-addr across hosts)
             self._waker = threading.Thread(target=self._wait_for_calls, args=(
-                self.listen_host or "127.0.0.1", self._node_store.port),
+                self.options.listen_host or "127.0.0.1", self._node_store.port),
                 name="live-agent-wake", daemon=True)
             self._waker.start()
 
@@ -432,7 +430,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         self._silenced |= agents
         self._wake.set()
         checking = self._store_check is not None and self._store_check.is_alive()
-        if self._worker_group.spec.rdzv_handler.get_backend() == "c10d" and not checking:
+        if self.get_worker_group().spec.rdzv_handler.get_backend() == "c10d" and not checking:
             self._store_check = threading.Thread(target=self._end_if_c10d_store_lost,
                                                  name="c10d-store-check", daemon=True)
             self._store_check.start()
@@ -482,8 +480,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         (distributed.store_prefix)."""
         assert self._node_store is not None
         spec = worker_group.spec
-        restart_count = spec.max_restarts - self._remaining_restarts
-        return dist.PrefixStore(store_prefix(spec.rdzv_handler.get_run_id(), restart_count),
+        return dist.PrefixStore(store_prefix(spec.rdzv_handler.get_run_id(), self.restart_count),
                                 self._node_store)
 
     def _commit_store(self, worker_group: WorkerGroup) -> dist.Store | None:
@@ -513,25 +510,25 @@ class LiveRecoveryAgent(LocalElasticAgent):
                                 store)
 
     # ---- starting: the first generation of a rendezvous round ------------------------------
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+    def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         why_not = self._live_possible(worker_group)
         if why_not is not None:
-            if self.recovery == "live" and not self._said_why_not:
+            if self.options.recovery == "live" and not self._said_why_not:
                 log.warning("live recovery is off (%s): a failed worker restarts every "
                             "worker from the newest checkpoint", why_not)
                 self._said_why_not = True
-            if isinstance(self._pcontext, PerWorkerProcesses):  # never two worlds at once
-                self._pcontext.close()
+            if isinstance(self.process_context, PerWorkerProcesses):  # never two worlds at once
+                self.process_context.close()
             self._plan = None
-            return self._watched(super()._start_workers(worker_group))
+            return self._watched(self.torch_start_workers(worker_group))
         self._ensure_node_store(worker_group)
         self._round_agents = worker_group.group_world_size
         plan, raw = self._agree_on_round(worker_group)
         if plan is None:  # a round with plain torchrun agents in it
-            if isinstance(self._pcontext, PerWorkerProcesses):
-                self._pcontext.close()
+            if isinstance(self.process_context, PerWorkerProcesses):
+                self.process_context.close()
             self._plan = None
-            return self._watched(super()._start_workers(worker_group))
+            return self._watched(self.torch_start_workers(worker_group))
         return self._apply_round(worker_group, plan, raw)
 
     def _agree_on_round(self, worker_group: WorkerGroup) -> tuple[Plan | None, bytes]:
@@ -577,7 +574,8 @@ class LiveRecoveryAgent(LocalElasticAgent):
         state (they re-form at their next step boundary, or at once when peers were lost)."""
         before = self._plan
         keep = set(plan.keeps(self.address))
-        workers = self._pcontext if isinstance(self._pcontext, PerWorkerProcesses) else None
+        workers = self.process_context
+        workers = workers if isinstance(workers, PerWorkerProcesses) else None
         if not keep or workers is None:
             if workers is not None:
                 if plan.kind == LIVE:  # others hold the state: these workers' is stale
@@ -586,7 +584,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
             self._adopt(worker_group, plan, raw)
             self._announce(worker_group, plan, "start")
             with self._per_worker_contexts(self.address, plan.generation):
-                started = super()._start_workers(worker_group)
+                started = self.torch_start_workers(worker_group)
             log.info("generation %d (%s) of %d workers: started %d here (%s)", plan.generation,
                      plan.kind, plan.world_size, len(started), plan.cause)
             return started
@@ -604,14 +602,14 @@ class LiveRecoveryAgent(LocalElasticAgent):
         return workers.pids()
 
     # ---- re-forming within a round ----------------------------------------------------------
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+    def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._loop_at = time.monotonic()
         woken = self._wake.wait(self._interval)
         if woken:  # what woke it is read below (keys stay set): a later push wakes it again
             self._wake.clear()
-        workers = self._pcontext
+        workers = self.process_context
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
-            result = super()._monitor_workers(worker_group)
+            result = self.torch_monitor_workers(worker_group)
             if result.state == WorkerState.HEALTHY:
                 self._look_again_if_unreported(w.id for w in worker_group.workers)
             return result
@@ -628,13 +626,13 @@ class LiveRecoveryAgent(LocalElasticAgent):
                 workers.start_spare()
             self._look_again_if_unreported(workers.pids(running_only=True).values())
             with workers.as_polled():  # a failure the poll above missed waits for the next
-                return super()._monitor_workers(worker_group)
+                return self.torch_monitor_workers(worker_group)
         why_not = self._why_not_now(store, failed)
         if why_not is not None:
             log.warning("the world cannot re-form in place (%s): every worker of this node "
                         "restarts from the newest checkpoint", why_not)
             self._release_workers(worker_group)
-            return super()._monitor_workers(worker_group) if failed \
+            return self.torch_monitor_workers(worker_group) if failed \
                 else RunResult(state=WorkerState.UNHEALTHY)
         if self._reform(worker_group, workers, failed, notice, silent):
             return RunResult(state=WorkerState.HEALTHY)
@@ -771,11 +769,11 @@ class LiveRecoveryAgent(LocalElasticAgent):
             time.sleep(0.005)
         plan = plan_reformation(base, arrivals, self.address, generation=generation,
                                 detected_at=detected_at)
-        if plan is not None and len(plan.members) < self.min_nodes:
+        if plan is not None and len(plan.members) < self.options.min_nodes:
             log.warning("%d node(s) left, fewer than the job's minimum (--nnodes %d:...): "
                         "the world is not re-formed in place; every node restarts from the "
                         "newest checkpoint once enough nodes are there", len(plan.members),
-                        self.min_nodes)
+                        self.options.min_nodes)
             plan = None
         if plan is None:
             self._node_store.set(plan_key(generation), RESTART)
@@ -814,7 +812,7 @@ class LiveRecoveryAgent(LocalElasticAgent):
         back (a cable put back: the blocked call completes, and the loop rejoins the job);
         if it does not, it ends with one line."""
         suspected_at = time.monotonic()
-        store = self._job_store(self._worker_group)
+        store = self._job_store(self.get_worker_group())
         try:
             bounded(lambda: store.check([COMMITTED_KEY]), STORE_ANSWER_SECONDS)
             return
@@ -826,19 +824,19 @@ class LiveRecoveryAgent(LocalElasticAgent):
             return  # the loop went on meanwhile: it handles the silent peer itself
         log.warning("the c10d rendezvous store does not answer: its node is lost, or this "
                     "node is cut off; this node ends its workers and waits up to %g s for "
-                    "the store (--rdzv-conf join_timeout)", self.store_lost_seconds)
-        if isinstance(self._pcontext, PerWorkerProcesses):
-            self._pcontext.end_now()
-        deadline = suspected_at + self.store_lost_seconds
+                    "the store (--rdzv-conf join_timeout)", self.options.store_lost_seconds)
+        if isinstance(self.process_context, PerWorkerProcesses):
+            self.process_context.end_now()
+        deadline = suspected_at + self.options.store_lost_seconds
         while time.monotonic() < deadline:
             if self._loop_at > suspected_at:
                 return  # the store answered the loop: it rejoins the job
             time.sleep(0.1)
-        if isinstance(self._pcontext, PerWorkerProcesses):
-            self._pcontext.close(signal.SIGKILL, 5)
+        if isinstance(self.process_context, PerWorkerProcesses):
+            self.process_context.close(signal.SIGKILL, 5)
         stop_worker_server()  # the spare's and the workers' server: nobody else will
-        error = store_lost(self._worker_group.spec.rdzv_handler.get_run_id(),
-                           self.store_lost_seconds)
+        error = store_lost(self.get_worker_group().spec.rdzv_handler.get_run_id(),
+                           self.options.store_lost_seconds)
         print(f"elastic-train: error: {error}", file=sys.stderr, flush=True)
         exit_now(1)
 
@@ -896,16 +894,16 @@ class LiveRecoveryAgent(LocalElasticAgent):
 
     def _holding(self) -> tuple[int, ...]:
         """Local ranks whose workers hold the state now (run, restored, in the loop)."""
-        workers = self._pcontext
+        workers = self.process_context
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
             return ()
         workers.poll_failed()
-        store = self._store_of_workers(self._worker_group)
+        store = self._store_of_workers(self.get_worker_group())
         if not store.check([READY_KEY]) or store.check([FINISHED_KEY]):
             return ()
         return tuple(sorted(workers.running()))
 
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+    def restart_workers(self, worker_group: WorkerGroup) -> None:
         """A node waits to join (torch's agent calls this on a healthy group): a new
         rendezvous round while the workers train on, then a plan that keeps them. On a
         backend whose worlds do not re-form across nodes the round will have two nodes and
@@ -913,44 +911,41 @@ class LiveRecoveryAgent(LocalElasticAgent):
         if worker_group.state == WorkerState.HEALTHY and self._holding() \
                 and self._live_possible(worker_group) is None \
                 and worker_group.spec.rdzv_handler.get_backend() in ACROSS_NODES:
-            self._rendezvous(worker_group)
-            for local_rank, pid in self._start_workers(worker_group).items():
+            self.rendezvous(worker_group)
+            for local_rank, pid in self.start_workers(worker_group).items():
                 worker_group.workers[local_rank].id = pid
             worker_group.state = WorkerState.HEALTHY
             return
-        super()._restart_workers(worker_group)
+        self.torch_restart_workers(worker_group)
 
     @contextlib.contextmanager
     def _per_worker_contexts(self, live_store: str, generation: int) -> Iterator[None]:
         """While the base class starts the workers: one context per worker, the workers
         told that the agent restarts them one by one."""
-        from torch.distributed.elastic.agent.server import local_elastic_agent as module
+        def make(original: Callable[..., PContext]) -> Callable[..., PerWorkerProcesses]:
+            def start_processes(name: str, entrypoint: Any, args: dict[int, tuple],
+                                envs: dict[int, dict[str, str]], logs_specs: LogsSpecs,
+                                **kwargs: Any) -> PerWorkerProcesses:
+                kwargs.pop("log_line_prefixes", None)
 
-        original = module.start_processes
+                def start_one(local_rank: int, env: dict[str, str]) -> PContext:
+                    context = original(name=name, entrypoint=entrypoint,
+                                       args={0: args[local_rank]}, envs={0: env},
+                                       logs_specs=worker_logs_specs(logs_specs, local_rank),
+                                       **kwargs)
+                    for pid in context.pids().values():
+                        self._exits.watch(pid)
+                    return context
 
-        def start_processes(name: str, entrypoint: Any, args: dict[int, tuple],
-                            envs: dict[int, dict[str, str]], logs_specs: LogsSpecs,
-                            **kwargs: Any) -> PerWorkerProcesses:
-            kwargs.pop("log_line_prefixes", None)
+                return PerWorkerProcesses(start_one, {
+                    lr: live_worker_env(env, live_store, generation)
+                    for lr, env in envs.items()},
+                    spare_store=self._node_store if self.options.hot_spare else None)
 
-            def start_one(local_rank: int, env: dict[str, str]) -> PContext:
-                context = original(name=name, entrypoint=entrypoint,
-                                   args={0: args[local_rank]}, envs={0: env},
-                                   logs_specs=_worker_logs_specs(logs_specs, local_rank),
-                                   **kwargs)
-                for pid in context.pids().values():
-                    self._exits.watch(pid)
-                return context
+            return start_processes
 
-            return PerWorkerProcesses(start_one, {
-                lr: live_worker_env(env, live_store, generation) for lr, env in envs.items()},
-                spare_store=self._node_store if self.hot_spare else None)
-
-        module.start_processes = start_processes  # type: ignore[assignment]
-        try:
+        with start_processes_replaced(make):
             yield
-        finally:
-            module.start_processes = original
 
 
 @contextlib.contextmanager
@@ -958,18 +953,9 @@ def live_agent_installed(recovery: str, listen_host: str | None = None,
                          hot_spare: bool = False, peer_timeout: float = DETECTOR_TIMEOUT,
                          store_lost_seconds: float = C10D_JOIN_TIMEOUT, min_nodes: int = 1
                          ) -> Iterator[None]:
-    """Make torch's launcher run ``LiveRecoveryAgent`` (for ``elastic-train run``)."""
-    from torch.distributed.launcher import api
-
-    original = api.LocalElasticAgent
-    LiveRecoveryAgent.recovery = recovery
-    LiveRecoveryAgent.listen_host = listen_host
-    LiveRecoveryAgent.hot_spare = hot_spare
-    LiveRecoveryAgent.peer_timeout = peer_timeout
-    LiveRecoveryAgent.store_lost_seconds = store_lost_seconds
-    LiveRecoveryAgent.min_nodes = min_nodes
-    api.LocalElasticAgent = LiveRecoveryAgent  # type: ignore[misc]
-    try:
+    """Make torch's launcher run ``LiveRecoveryAgent`` (for ``elastic-train run``), each
+    agent built with these options (no option lives on the class)."""
+    options = LiveOptions(recovery, listen_host, hot_spare, peer_timeout, store_lost_seconds,
+                          min_nodes)
+    with agent_class_replaced(functools.partial(LiveRecoveryAgent, options=options)):
         yield
-    finally:
-        api.LocalElasticAgent = original  # type: ignore[misc]
