@@ -54,8 +54,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -66,21 +65,24 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerGroup,
     WorkerState,
 )
-from torch.distributed.elastic.multiprocessing import LogsSpecs
-from torch.distributed.elastic.multiprocessing.api import PContext
 
 from elastic_train.agent.exit_watch import ExitWatch
 from elastic_train.agent.failure_detector import TIMEOUT as DETECTOR_TIMEOUT
 from elastic_train.agent.failure_detector import Peer, PeerHeartbeats
+from elastic_train.agent.live_options import C10D_JOIN_TIMEOUT, LiveOptions
 from elastic_train.agent.store_binding import listening_store
 from elastic_train.agent.store_watch import STORE_ANSWER_SECONDS, end_if_store_lost
 from elastic_train.agent.torch_seams import (
     TorchAgent,
     agent_class_replaced,
     start_processes_replaced,
-    worker_logs_specs,
 )
-from elastic_train.agent.worker_processes import PerWorkerProcesses, live_worker_env
+from elastic_train.agent.wake import Wakeup
+from elastic_train.agent.worker_processes import (
+    PerWorkerProcesses,
+    live_worker_env,
+    per_worker_start,
+)
 from elastic_train.live.coordination import (
     FOLLOW_SECONDS,
     RESTART,
@@ -101,7 +103,7 @@ from elastic_train.live.messages import (
     announcement_key,
     store_prefix,
 )
-from elastic_train.live.peers import WAKE_KEY, PeerStores, bounded
+from elastic_train.live.peers import PeerStores, bounded
 from elastic_train.live.plan import LIVE, Arrival, Plan
 from elastic_train.rendezvous.forget import forget_nodes, rendezvous_node_id
 
@@ -112,36 +114,6 @@ log = logging.getLogger(__name__)
 
 ACROSS_NODES = ("c10d", "etcd-v3")
 """Rendezvous backends whose jobs re-form in place across nodes (tested with both)."""
-WAKER_STOP = b"stop"
-C10D_JOIN_TIMEOUT = 600.0
-"""torch's default ``join_timeout`` of the c10d rendezvous."""
-
-
-@dataclass(frozen=True)
-class LiveOptions:
-    """What ``elastic-train run`` tells its agent (``live_agent_installed`` hands it to each
-    agent torch's launcher builds)."""
-
-    recovery: str = "live"
-    """'live' or 'restart' (the job's --recovery)."""
-    listen_host: str | None = None
-    """The IP address the agent's store listens on (None: every interface;
-    store_binding.node_store_host)."""
-    hot_spare: bool = False
-    """Keep a spare worker forked and built (live/spare.py; ``--hot-spare``, the built-in
-    trainer only)."""
-    peer_timeout: float = DETECTOR_TIMEOUT
-    """Seconds a peer may be unheard before it is suspected (agent/failure_detector.py; 0: no
-    detector; ``--peer-timeout``)."""
-    store_lost_seconds: float = C10D_JOIN_TIMEOUT
-    """How long a c10d node whose store went silent waits for it to answer again (a
-    cut-off node whose cable comes back rejoins) before it ends with one line: the
-    rendezvous' ``join_timeout``, as long as a node may wait to join."""
-    min_nodes: int = 1
-    """The job's minimum of nodes (``--nnodes MIN:MAX``): a world is never re-formed in
-    place with fewer."""
-
-
 class LiveRecoveryAgent(TorchAgent):
     """torch's local agent, with workers started again one by one and worlds re-formed in
     place across agents (see the module)."""
@@ -161,9 +133,8 @@ class LiveRecoveryAgent(TorchAgent):
         # for it instead, and a call or a worker's report (WAKE_KEY) ends the wait at once.
         spec = self.get_worker_group().spec
         self._interval, spec.monitor_interval = spec.monitor_interval, 0.0
-        self._wake = threading.Event()
-        self._waker: threading.Thread | None = None
-        self._exits = ExitWatch(self._wake)  # a worker's death wakes the loop at once too
+        self._wake = Wakeup()
+        self._exits = ExitWatch(self._wake.event)  # a worker's death wakes the loop too
         self._heartbeats: PeerHeartbeats | None = None
         """The failure detector (agent/failure_detector.py): a silent peer wakes the loop too."""
         self.beat = ""
@@ -225,12 +196,8 @@ class LiveRecoveryAgent(TorchAgent):
                                               on_suspect=self._on_silent,
                                               timeout=self.options.peer_timeout)
             self.beat = self._heartbeats.beat_address(host)
-        if hasattr(self._node_store, "queue_pop"):
-            # its own client, where the store listens (only on --local-addr across hosts)
-            self._waker = threading.Thread(target=self._wait_for_calls, args=(
-                self.options.listen_host or "127.0.0.1", self._node_store.port),
-                name="live-agent-wake", daemon=True)
-            self._waker.start()
+        # its own client, where the store listens (only on --local-addr across hosts)
+        self._wake.watch(self._node_store, self.options.listen_host or "127.0.0.1")
 
     def _on_silent(self, agents: set[str]) -> None:
         """The failure detector's call (its thread): peers fell silent; the loop acts."""
@@ -251,25 +218,6 @@ class LiveRecoveryAgent(TorchAgent):
             return set()
         return (self._heartbeats.suspects() | self._silenced) & set(self._plan.agents)
 
-    def _wait_for_calls(self, host: str, port: int) -> None:
-        """Wake the monitor loop whenever something is pushed to ``WAKE_KEY``. Should this
-        thread end early (it cannot reach the store), the loop looks at every check."""
-        try:
-            client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(days=7))
-        except (RuntimeError, OSError) as exc:
-            log.warning("the agent cannot watch its own store at %s:%d (%s): it looks for "
-                        "calls every --monitor-interval instead", host, port, exc)
-            return
-        while True:
-            try:
-                item = client.queue_pop(WAKE_KEY, block=True)
-            except (RuntimeError, OSError):
-                return
-            if item == WAKER_STOP:
-                return
-            self._wake.set()
-
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
             return super().run(role)
@@ -277,13 +225,7 @@ class LiveRecoveryAgent(TorchAgent):
             self._exits.close()
             if self._heartbeats is not None:
                 self._heartbeats.close()
-            # While the store still runs: a thread left blocked in the store's client would
-            # end inside C++ when the interpreter finalizes.
-            if self._waker is not None and self._node_store is not None:
-                with contextlib.suppress(RuntimeError, OSError):
-                    self._node_store.queue_push(WAKE_KEY, WAKER_STOP)
-                self._waker.join(timeout=5)
-                self._waker = None
+            self._wake.close(self._node_store)
 
     def _store_of_workers(self, worker_group: WorkerGroup) -> dist.Store:
         """This agent's store, under the prefix its workers of this incarnation use
@@ -375,9 +317,7 @@ class LiveRecoveryAgent(TorchAgent):
     # ---- re-forming within a round ----------------------------------------------------------
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._loop_at = time.monotonic()
-        woken = self._wake.wait(self._interval)
-        if woken:  # what woke it is read below (keys stay set): a later push wakes it again
-            self._wake.clear()
+        woken = self._wake.wait(self._interval)  # what woke it is read below (keys stay set)
         workers = self.process_context
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
             result = self.torch_monitor_workers(worker_group)
@@ -387,7 +327,7 @@ class LiveRecoveryAgent(TorchAgent):
         failed, _ = workers.poll_failed()
         store = self._store_of_workers(worker_group)
         # Calls and reports wake this loop; without store queues (torch < 2.6) look each time.
-        look = woken or self._waker is None or not self._waker.is_alive()
+        look = woken or not self._wake.watching()
         notice = self._coordinator.notice() if look and self._coordinator else None
         reported = look and self._reported_failure(store)
         silent = self._silent_members()
@@ -562,28 +502,8 @@ class LiveRecoveryAgent(TorchAgent):
     def _per_worker_contexts(self, live_store: str, generation: int) -> Iterator[None]:
         """While the base class starts the workers: one context per worker, the workers
         told that the agent restarts them one by one."""
-        def make(original: Callable[..., PContext]) -> Callable[..., PerWorkerProcesses]:
-            def start_processes(name: str, entrypoint: Any, args: dict[int, tuple],
-                                envs: dict[int, dict[str, str]], logs_specs: LogsSpecs,
-                                **kwargs: Any) -> PerWorkerProcesses:
-                kwargs.pop("log_line_prefixes", None)
-
-                def start_one(local_rank: int, env: dict[str, str]) -> PContext:
-                    context = original(name=name, entrypoint=entrypoint,
-                                       args={0: args[local_rank]}, envs={0: env},
-                                       logs_specs=worker_logs_specs(logs_specs, local_rank),
-                                       **kwargs)
-                    for pid in context.pids().values():
-                        self._exits.watch(pid)
-                    return context
-
-                return PerWorkerProcesses(start_one, {
-                    lr: live_worker_env(env, live_store, generation)
-                    for lr, env in envs.items()},
-                    spare_store=self._node_store if self.options.hot_spare else None)
-
-            return start_processes
-
+        make = per_worker_start(live_store, generation, self._exits.watch,
+                                self._node_store if self.options.hot_spare else None)
         with start_processes_replaced(make):
             yield
 

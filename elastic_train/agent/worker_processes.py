@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
+from elastic_train.agent.torch_seams import worker_logs_specs
 from elastic_train.live.environment import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
 from elastic_train.live.spare import assign, spare_delay, spare_env
 
@@ -201,3 +203,33 @@ def live_worker_env(env: dict[str, str], live_store: str, generation: int = 0,
         else {NCCL_ERROR_HANDLING: LIVE_NCCL_ERROR_HANDLING}
     return {**env, LIVE_RECOVERY: "1", LIVE_STORE: live_store,
             LIVE_GENERATION: str(generation), **nccl}
+
+
+def per_worker_start(live_store: str, generation: int, watch: Callable[[int], None],
+                     spare_store: dist.Store | None
+                     ) -> Callable[[Callable[..., PContext]], Callable[..., PerWorkerProcesses]]:
+    """What replaces torch's ``start_processes`` while the live agent starts its workers
+    (torch_seams.start_processes_replaced): one context per worker (``watch``: each pid),
+    the workers told that the agent restarts them one by one (``live_worker_env``)."""
+    def make(original: Callable[..., PContext]) -> Callable[..., PerWorkerProcesses]:
+        def start_processes(name: str, entrypoint: Any, args: dict[int, tuple],
+                            envs: dict[int, dict[str, str]], logs_specs: LogsSpecs,
+                            **kwargs: Any) -> PerWorkerProcesses:
+            kwargs.pop("log_line_prefixes", None)
+
+            def start_one(local_rank: int, env: dict[str, str]) -> PContext:
+                context = original(name=name, entrypoint=entrypoint,
+                                   args={0: args[local_rank]}, envs={0: env},
+                                   logs_specs=worker_logs_specs(logs_specs, local_rank),
+                                   **kwargs)
+                for pid in context.pids().values():
+                    watch(pid)
+                return context
+
+            return PerWorkerProcesses(start_one, {
+                lr: live_worker_env(env, live_store, generation) for lr, env in envs.items()},
+                spare_store=spare_store)
+
+        return start_processes
+
+    return make
