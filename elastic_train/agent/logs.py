@@ -47,21 +47,17 @@ class GlobalRankFilter(logging.Filter):
 @contextlib.contextmanager
 def global_ranks_in_logs() -> Iterator[None]:
     """While the block runs, torch's failed-worker lines name the global rank."""
-    from torch.distributed.elastic.multiprocessing.api import PContext
+    from elastic_train.agent.torch_seams import process_start_wrapped
 
-    original = PContext.start
-
-    def start(self: Any) -> None:
-        original(self)
+    def started(context: Any) -> None:
         with contextlib.suppress(Exception):  # a log nicety: never stop a start
-            remember_ranks(self.pids(), self.envs)
+            remember_ranks(context.pids(), context.envs)
 
     log_filter = GlobalRankFilter()
     logger = logging.getLogger(TORCH_LOGGER)
-    PContext.start = start  # type: ignore[method-assign]
     logger.addFilter(log_filter)
     try:
-        yield
+        with process_start_wrapped(started):
+            yield
     finally:
         logger.removeFilter(log_filter)
-        PContext.start = original  # type: ignore[method-assign]

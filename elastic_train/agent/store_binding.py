@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -66,19 +66,17 @@ def listening_store(host: str, port: int, **kwargs: Any) -> dist.TCPStore:
 def rendezvous_store_on_loopback() -> Iterator[None]:
     """While torch's c10d rendezvous backend makes its store: a server for an endpoint on
     loopback listens on loopback only."""
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+    from elastic_train.agent.torch_seams import rendezvous_store_replaced
 
-    original = backend.TCPStore
+    def make(original: Callable[..., dist.TCPStore]) -> Callable[..., dist.TCPStore]:
+        def store(host: str, port: int, *args: Any, is_master: bool = False,
+                  **kwargs: Any) -> dist.TCPStore:
+            address = loopback_address(host)
+            if is_master and address is not None and not args:
+                return listening_store(address, port, **kwargs)
+            return original(host, port, *args, is_master=is_master, **kwargs)
 
-    def store(host: str, port: int, *args: Any, is_master: bool = False,
-              **kwargs: Any) -> dist.TCPStore:
-        address = loopback_address(host)
-        if is_master and address is not None and not args:
-            return listening_store(address, port, **kwargs)
-        return original(host, port, *args, is_master=is_master, **kwargs)
+        return store
 
-    backend.TCPStore = store  # type: ignore[assignment,misc]
-    try:
+    with rendezvous_store_replaced(make):
         yield
-    finally:
-        backend.TCPStore = original  # type: ignore[misc]

@@ -25,6 +25,7 @@ from elastic_train.agent.environment import (
     launcher_environment_defaults,
     worker_env_file,
 )
+from elastic_train.agent.torch_seams import finished_workers_released_on_close
 
 # Imported once by the forkserver; every (re)started worker is forked with them loaded.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
@@ -84,18 +85,5 @@ def workers_released_on_close() -> Iterator[None]:
     runs out and it is SIGKILLed. Setting the event at the start of close() lets it exit
     at once; workers still running are unaffected (they wait for it only after returning).
     """
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-
-    original = MultiprocessContext._close
-
-    def close(self: MultiprocessContext, *args: object, **kwargs: object) -> None:
-        event = getattr(self, "_worker_finished_event", None)
-        if event is not None:
-            event.set()
-        original(self, *args, **kwargs)
-
-    MultiprocessContext._close = close  # type: ignore[method-assign]
-    try:
+    with finished_workers_released_on_close():
         yield
-    finally:
-        MultiprocessContext._close = original  # type: ignore[method-assign]

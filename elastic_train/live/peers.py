@@ -17,22 +17,29 @@ peers only during a re-formation.
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
 
+from elastic_train.live.coordination import (  # noqa: F401 - the coordination's, used here
+    NOTICE_KEY,
+    PREFIX,
+    RESTART,
+    Notice,
+    arrival_key,
+    commit_plan,
+    local_value,
+    plan_key,
+    take_over,
+)
 from elastic_train.process_exit import left_in_c
 
 T = TypeVar("T")
 
-PREFIX = "elastic_train/agents"
-NOTICE_KEY = f"{PREFIX}/notice"
 WAKE_KEY = f"{PREFIX}/wake"
 """A queue in each agent's store: whoever leaves the agent something to act on (a peer's
 call, a worker's failed collective) pushes to it, and the agent acts at once instead of at
@@ -40,34 +47,6 @@ its next --monitor-interval."""
 PROBE_SECONDS = 2.0
 """How long a coordinator waits for a member's store to accept a connection: an agent that
 died refuses at once; a host that is gone does not answer."""
-
-
-def arrival_key(generation: int, agent: str) -> str:
-    return f"{PREFIX}/reform/{generation}/arrival/{agent}"
-
-
-def plan_key(generation: int) -> str:
-    return f"{PREFIX}/reform/{generation}/plan"
-
-
-RESTART = b"restart"
-"""What a coordinator publishes instead of a plan when no member holds the state."""
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A coordinator's call to re-form as ``generation``."""
-
-    generation: int
-    coordinator: str
-
-    def encode(self) -> str:
-        return json.dumps({"generation": self.generation, "coordinator": self.coordinator})
-
-    @classmethod
-    def decode(cls, data: str | bytes) -> Notice:
-        raw = json.loads(data)
-        return cls(int(raw["generation"]), str(raw["coordinator"]))
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -195,32 +174,3 @@ def wake(store: dist.Store) -> None:
     before 2.6, leaves it to the agent's next --monitor-interval)."""
     with contextlib.suppress(AttributeError, RuntimeError, OSError):
         store.queue_push(WAKE_KEY, b"1")
-
-
-def local_value(store: dist.Store, key: str) -> bytes | None:
-    """``key`` in a store of this process' own (None when absent or the store is gone)."""
-    with contextlib.suppress(RuntimeError, OSError):
-        if store.check([key]):
-            return store.get(key)
-    return None
-
-
-def commit_plan(store: dist.Store, key: str, base: bytes, plan: bytes) -> bytes:
-    """Swap the plan at ``key`` from ``base`` (the plan it replaces, exactly as committed;
-    empty: none yet) to ``plan``; the plan committed now. Of two coordinators that decided
-    from the same base only the first commits; a coordinator that decided from a stale
-    base (a partitioned minority, a world that moved on) commits nothing and learns the
-    newer plan."""
-    return bytes(store.compare_set(key, base, plan))
-
-
-def take_over(store: dist.Store, key: str, plan: bytes, tries: int = 20) -> bytes:
-    """Make ``plan`` the plan at ``key`` whatever it replaces (a new rendezvous round's
-    plan supersedes every plan before it): a compare-and-swap from the value read, again
-    if another commit came in between. A coordinator of an older world that swaps from
-    its own plan after this finds the key changed and commits nothing."""
-    for _ in range(tries):
-        current = bytes(store.get(key)) if store.check([key]) else b""
-        if commit_plan(store, key, current, plan) == plan:
-            return plan
-    raise RuntimeError(f"could not commit a new round's plan at {key}: it kept changing")

@@ -4,7 +4,7 @@ Every agent of a job (one per node) says what it brings to a re-formation in an 
 its workers, whether they hold the training state (alive, restored, in the loop), and its
 place in the generation before. A ``Plan`` is what they agree on: the generation's members
 (agents) in rank order, the world size, where its process group forms, what was lost. Plans
-are committed by compare-and-swap of one key in the rendezvous' store (agent/live_agent.py), from
+are committed by compare-and-swap of one key in the rendezvous' store (live/coordination.py), from
 the plan they replace, so that two agents deciding at once, or a partitioned minority
 deciding alone, cannot both commit: a stale plan's swap fails.
 

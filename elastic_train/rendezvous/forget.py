@@ -30,6 +30,13 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
+from elastic_train.agent.torch_seams import (
+    heartbeat_lock,
+    remove_expired_nodes,
+    state_holder,
+    this_node,
+)
+
 log = logging.getLogger(__name__)
 
 FORGET_ATTEMPTS = 5
@@ -44,7 +51,7 @@ def rendezvous_node_id(handler: RendezvousHandler) -> str:
         own = getattr(handler, "rendezvous_node_id", None)
         if callable(own):
             return str(own())
-        node = getattr(handler, "_this_node", None)  # torch's DynamicRendezvousHandler
+        node = this_node(handler)  # torch's DynamicRendezvousHandler
         return repr(node) if node is not None else ""
     except Exception as exc:  # only a shortcut depends on it: never worth failing over
         log.warning("no rendezvous node id from %s (%s: %s): lost nodes will leave the "
@@ -65,10 +72,10 @@ def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str]) -> list[
         own = getattr(handler, "forget_nodes", None)
         if callable(own):
             return list(own(wanted))
-        holder = getattr(handler, "_state_holder", None)
-        if holder is None or not hasattr(holder, "_sanitize"):
+        holder = state_holder(handler)
+        if holder is None:
             return []
-        lock = getattr(handler, "_heartbeat_lock", None)  # the heartbeat thread shares it
+        lock = heartbeat_lock(handler)  # the heartbeat thread shares it
         if lock is None:
             return _forget(holder, wanted)
         with lock:
@@ -91,7 +98,7 @@ def _forget(holder: Any, wanted: set[str]) -> list[str]:
             return []
         for node in found:
             state.last_heartbeats[node] = _STALE
-        holder._sanitize()  # torch's removal of expired nodes, this round's epilogue included
+        remove_expired_nodes(holder)  # torch's, this round's epilogue included
         holder.mark_dirty()
         if holder.sync():  # written: the state as the others read it now
             removed = sorted(repr(n) for n in found if n not in holder.state.last_heartbeats)

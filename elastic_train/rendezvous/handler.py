@@ -33,10 +33,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     RendezvousSettings,
     RendezvousTimeout,
-    _BackendRendezvousStateHolder,
 )
 
 from elastic_train.agent.environment import set_rendezvous_seconds
+from elastic_train.agent.torch_seams import (
+    JudgingStateHolder,
+    new_node_descriptor,
+    rendezvous_state,
+    this_node,
+)
 from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend
 from elastic_train.rendezvous.client import KV, EtcdKV, EtcdUnreachableError
 from elastic_train.rendezvous.lease import SharedLease
@@ -47,7 +52,7 @@ from elastic_train.rendezvous.store import EtcdStore
 log = logging.getLogger(__name__)
 
 
-class _OutageAwareStateHolder(_BackendRendezvousStateHolder):
+class _OutageAwareStateHolder(JudgingStateHolder):
     """torch's state holder, telling ``outage`` whether etcd answers, and judging no node
     dead right after an outage (see outage.py)."""
 
@@ -63,12 +68,9 @@ class _OutageAwareStateHolder(_BackendRendezvousStateHolder):
             self._outage.failed(exc)
             raise
 
-    def _sanitize(self) -> None:  # runs after every successful read or write of the state
+    def may_judge(self) -> bool:  # after every successful read or write of the state
         self._outage.reached()
-        if self._outage.in_grace:
-            self._dead_nodes = []
-            return
-        super()._sanitize()
+        return not self._outage.in_grace
 
 
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
@@ -81,7 +83,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
         info = retry_unreachable(super().next_rendezvous, self._connect_timeout)
-        self._joined_round = self._state_holder.state.round
+        self._joined_round = rendezvous_state(self).round
         set_rendezvous_seconds(time.monotonic() - started)
         return info
 
@@ -90,9 +92,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             waiting = super().num_nodes_waiting()
         except EtcdUnreachableError:
             return 0  # nobody can join while etcd is down: train on (logged by the outage)
-        state = self._state_holder.state
+        state = rendezvous_state(self)
         if self._joined_round is not None and not state.closed and (
-                state.round != self._joined_round or self._this_node not in state.participants):
+                state.round != self._joined_round or this_node(self) not in state.participants):
             log.warning("this node is no longer part of rendezvous round %s (now round %s): "
                         "the others took it for dead; rejoining", self._joined_round,
                         state.round)
@@ -125,7 +127,7 @@ def build_handler(kv: KV, options: EtcdV3Options, run_id: str, min_nodes: int,
         keep_alive_max_attempt=options.keep_alive_max_attempt)
     dead_after = options.keep_alive_interval * options.keep_alive_max_attempt
     holder = _OutageAwareStateHolder(backend, settings, Outage(kv.endpoint, dead_after))
-    node = EtcdV3RendezvousHandler._node_desc_generator.generate(local_addr)
+    node = new_node_descriptor(local_addr)
     handler = EtcdV3RendezvousHandler(node, settings, backend.name, store, holder)
     handler._connect_timeout = options.connect_timeout
     return handler

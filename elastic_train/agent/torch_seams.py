@@ -1,0 +1,287 @@
+"""Every private name of torch the agent side (agent/, rendezvous/) uses, and every
+replacement of a torch global it makes, in one place (``REQUIRED`` declares them;
+tests/unit/test_torch_seams.py checks that the installed torch still has each, with the
+signature used here; tests/unit/test_agent_seam_rule.py that no other module of agent/ or
+rendezvous/ touches one).
+
+The rest of the agent side calls these functions and classes, never torch's private names:
+
+- ``TorchAgent``: torch's ``LocalElasticAgent`` with its private hooks under public names
+  (``start_workers``, ``monitor_workers``, ``restart_workers``; torch's own behaviour as
+  ``torch_start_workers`` ...), for agent/live_agent.py to override;
+- replacements of torch globals, each a context manager that puts the original back:
+  ``agent_class_replaced`` (the launcher's agent), ``start_processes_replaced`` (how the
+  local agent starts its workers), ``rendezvous_store_replaced`` (the c10d backend's
+  ``TCPStore``), ``process_start_wrapped`` (``PContext.start``),
+  ``finished_workers_released_on_close`` (``MultiprocessContext._close``);
+- the dynamic rendezvous' internals: ``JudgingStateHolder`` (its state holder, with a say
+  in judging nodes dead), ``rendezvous_state``, ``this_node``, ``new_node_descriptor``,
+  ``state_holder``, ``heartbeat_lock``, ``remove_expired_nodes``;
+- ``worker_logs_specs``: a ``DefaultLogsSpecs`` for one worker of another's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import PContext
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _BackendRendezvousStateHolder,
+)
+
+from elastic_train.torch_private import Private
+
+__all__ = ["REQUIRED", "JudgingStateHolder", "TorchAgent", "agent_class_replaced",
+           "finished_workers_released_on_close", "heartbeat_lock", "new_node_descriptor",
+           "process_start_wrapped", "remove_expired_nodes", "rendezvous_state",
+           "rendezvous_store_replaced", "start_processes_replaced", "state_holder",
+           "this_node", "worker_logs_specs"]
+
+_LOCAL = "torch.distributed.elastic.agent.server.local_elastic_agent"
+_MP = "torch.distributed.elastic.multiprocessing.api"
+_DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+REQUIRED: tuple[Private, ...] = (
+    Private(_LOCAL, "LocalElasticAgent._start_workers", "overridden and called by TorchAgent "
+            "(start_workers, torch_start_workers)", params=("worker_group",)),
+    Private(_LOCAL, "LocalElasticAgent._monitor_workers", "overridden and called by "
+            "TorchAgent (monitor_workers, torch_monitor_workers)", params=("worker_group",)),
+    Private(_LOCAL, "LocalElasticAgent._restart_workers", "overridden and called by "
+            "TorchAgent (restart_workers, torch_restart_workers)", params=("worker_group",)),
+    Private(_LOCAL, "LocalElasticAgent._rendezvous", "to join a round while the workers "
+            "run (TorchAgent.rendezvous); also the name of the metric rendezvous/timing.py "
+            "reads", params=("worker_group",)),
+    Private(_LOCAL, "LocalElasticAgent._pcontext", "for the workers' process context "
+            "(TorchAgent.process_context)"),
+    Private(_LOCAL, "LocalElasticAgent._remaining_restarts", "for the restart count of the "
+            "workers' store prefix (TorchAgent.restart_count)"),
+    Private(_LOCAL, "start_processes", "replaced while the agent starts its workers "
+            "(start_processes_replaced)",
+            params=("name", "entrypoint", "args", "envs", "logs_specs")),
+    Private("torch.distributed.launcher.api", "LocalElasticAgent", "replaced by the live "
+            "agent's factory (agent_class_replaced)"),
+    Private("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend", "TCPStore",
+            "replaced while the c10d backend makes its store (rendezvous_store_replaced)"),
+    Private(_MP, "PContext.start", "wrapped to learn each worker's rank "
+            "(process_start_wrapped)"),
+    Private(_MP, "MultiprocessContext._close", "wrapped to release finished workers "
+            "(finished_workers_released_on_close)", params=("death_sig", "timeout")),
+    Private(_MP, "MultiprocessContext._worker_finished_event", "set when the agent stops its "
+            "workers (finished_workers_released_on_close)"),
+    Private(_MP, "DefaultLogsSpecs._redirects", "for one worker's own logs (worker_logs_specs)"),
+    Private(_MP, "DefaultLogsSpecs._tee", "(worker_logs_specs)"),
+    Private(_DYNAMIC, "_BackendRendezvousStateHolder", "subclassed (JudgingStateHolder)",
+            params=("backend", "settings")),
+    Private(_DYNAMIC, "_BackendRendezvousStateHolder._sanitize", "overridden by "
+            "JudgingStateHolder, called by remove_expired_nodes", params=()),
+    Private(_DYNAMIC, "_BackendRendezvousStateHolder._dead_nodes", "emptied when no node "
+            "may be judged dead (JudgingStateHolder)"),
+    Private(_DYNAMIC, "DynamicRendezvousHandler._state_holder", "(rendezvous_state, "
+            "state_holder)"),
+    Private(_DYNAMIC, "DynamicRendezvousHandler._this_node", "(this_node)"),
+    Private(_DYNAMIC, "DynamicRendezvousHandler._heartbeat_lock", "(heartbeat_lock)"),
+    Private(_DYNAMIC, "DynamicRendezvousHandler._node_desc_generator",
+            "(new_node_descriptor)"),
+)
+
+
+# ---- torch's local agent -------------------------------------------------------------------
+class TorchAgent(LocalElasticAgent):
+    """torch's ``LocalElasticAgent``, its private hooks offered under public names: a
+    subclass overrides ``start_workers``, ``monitor_workers`` and ``restart_workers`` (torch
+    calls them where it calls its ``_start_workers`` ...), and reaches torch's own
+    behaviour through ``torch_start_workers`` ..."""
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        return self.start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        return self.monitor_workers(worker_group)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.restart_workers(worker_group)
+
+    def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        return self.torch_start_workers(worker_group)
+
+    def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        return self.torch_monitor_workers(worker_group)
+
+    def restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.torch_restart_workers(worker_group)
+
+    def torch_start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        return super()._start_workers(worker_group)
+
+    def torch_monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        return super()._monitor_workers(worker_group)
+
+    def torch_restart_workers(self, worker_group: WorkerGroup) -> None:
+        super()._restart_workers(worker_group)
+
+    def rendezvous(self, worker_group: WorkerGroup) -> None:
+        """Join a new rendezvous round (torch's, timed by its metric)."""
+        self._rendezvous(worker_group)
+
+    @property
+    def process_context(self) -> PContext | Any:
+        """The workers' process context, as torch's agent started it (None before)."""
+        return self._pcontext
+
+    @property
+    def restart_count(self) -> int:
+        """How many times torch's agent restarted the workers (their store prefix)."""
+        return self.get_worker_group().spec.max_restarts - self._remaining_restarts
+
+
+@contextlib.contextmanager
+def agent_class_replaced(factory: Callable[..., LocalElasticAgent]) -> Iterator[None]:
+    """While the block runs, torch's launcher builds its agent with ``factory`` (called as
+    it calls ``LocalElasticAgent``)."""
+    from torch.distributed.launcher import api
+
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = factory  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = original  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def start_processes_replaced(make: Callable[[Callable[..., PContext]], Callable[..., Any]]
+                             ) -> Iterator[None]:
+    """While the block runs, torch's local agent starts its workers with
+    ``make(original)``, ``original`` being torch's ``start_processes``."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent as module
+
+    original = module.start_processes
+    module.start_processes = make(original)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.start_processes = original
+
+
+def worker_logs_specs(specs: LogsSpecs, local_rank: int) -> LogsSpecs:
+    """Log destinations of one worker's own context: a folder per worker and start under
+    the job's log folder (each context would otherwise write ``attempt_N/0``)."""
+    root = getattr(specs, "root_log_dir", None)
+    log_dir = os.path.join(root, f"local_rank_{local_rank}") \
+        if root and root != os.devnull else None
+
+    def of_this_worker(value: Any) -> Any:  # one Std for all workers, or one per local rank
+        return value.get(local_rank, Std.NONE) if isinstance(value, dict) else value
+
+    return DefaultLogsSpecs(log_dir=log_dir,
+                            redirects=of_this_worker(getattr(specs, "_redirects", Std.NONE)),
+                            tee=of_this_worker(getattr(specs, "_tee", Std.NONE)))
+
+
+# ---- process contexts ----------------------------------------------------------------------
+@contextlib.contextmanager
+def process_start_wrapped(after: Callable[[PContext], None]) -> Iterator[None]:
+    """While the block runs, ``after(context)`` runs once each process context started."""
+    original = PContext.start
+
+    def start(self: Any) -> None:
+        original(self)
+        after(self)
+
+    PContext.start = start  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PContext.start = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def finished_workers_released_on_close() -> Iterator[None]:
+    """While the block runs, closing a ``MultiprocessContext`` first sets the event its
+    finished function-entrypoint workers wait for (agent/worker_start.py says why)."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    original = MultiprocessContext._close
+
+    def close(self: MultiprocessContext, *args: object, **kwargs: object) -> None:
+        event = getattr(self, "_worker_finished_event", None)
+        if event is not None:
+            event.set()
+        original(self, *args, **kwargs)
+
+    MultiprocessContext._close = close  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        MultiprocessContext._close = original  # type: ignore[method-assign]
+
+
+# ---- the c10d rendezvous backend -----------------------------------------------------------
+@contextlib.contextmanager
+def rendezvous_store_replaced(make: Callable[[Callable[..., Any]], Callable[..., Any]]
+                              ) -> Iterator[None]:
+    """While the block runs, torch's c10d rendezvous backend makes its ``TCPStore`` with
+    ``make(original)``."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+
+    original = backend.TCPStore
+    backend.TCPStore = make(original)  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        backend.TCPStore = original  # type: ignore[misc]
+
+
+# ---- the dynamic rendezvous (c10d, etcd-v3's design=state-key) -----------------------------
+class JudgingStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder of the dynamic rendezvous, asking ``may_judge()`` before it
+    judges nodes dead by their heartbeats (after every read or write of the state)."""
+
+    def may_judge(self) -> bool:
+        return True
+
+    def _sanitize(self) -> None:
+        if not self.may_judge():
+            self._dead_nodes = []
+            return
+        super()._sanitize()
+
+
+def rendezvous_state(handler: DynamicRendezvousHandler) -> Any:
+    """The rendezvous state as ``handler`` last read it."""
+    return handler._state_holder.state
+
+
+def this_node(handler: Any) -> Any:
+    """``handler``'s node descriptor (None for a handler without one)."""
+    return getattr(handler, "_this_node", None)
+
+
+def new_node_descriptor(local_addr: str | None) -> Any:
+    """A node descriptor as torch's dynamic handler makes its own."""
+    return DynamicRendezvousHandler._node_desc_generator.generate(local_addr)
+
+
+def state_holder(handler: Any) -> Any | None:
+    """The state holder of a dynamic handler (None for another handler, or a holder that
+    cannot remove expired nodes)."""
+    holder = getattr(handler, "_state_holder", None)
+    return holder if holder is not None and hasattr(holder, "_sanitize") else None
+
+
+def heartbeat_lock(handler: Any) -> threading.Lock | None:
+    """The lock a dynamic handler's heartbeat thread holds while it writes the state."""
+    return getattr(handler, "_heartbeat_lock", None)
+
+
+def remove_expired_nodes(holder: Any) -> None:
+    """torch's removal of the nodes whose heartbeats expired, this round's epilogue
+    included, on ``holder``'s state."""
+    holder._sanitize()

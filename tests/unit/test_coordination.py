@@ -1,0 +1,198 @@
+"""The races of live recovery's coordination (live/coordination.py), over in-memory stores
+(tests/memory_store.py): agents as threads, deaths, partitions and frozen agents as the
+network says. The agents themselves, with real kills, are in
+tests/integration/test_multinode.py and test_across_hosts.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastic_train.live import coordination
+from elastic_train.live.coordination import (
+    COMMITTED_KEY,
+    RESTART,
+    STOCK_ROUND,
+    Coordinator,
+    Notice,
+    Outcome,
+    Round,
+)
+from elastic_train.live.plan import LIVE, Arrival, Member, Plan
+from tests.memory_store import MemoryStore, Network
+
+A, B, C = "host-a:1", "host-b:2", "host-c:3"
+
+
+def world(*agents: str, generation: int = 4) -> Plan:
+    return Plan(generation, LIVE, tuple(Member(a, 2) for a in agents), agents[0], "start",
+                kept={a: (0, 1) for a in agents})
+
+
+def holder(agent: str, plan: Plan) -> Arrival:
+    first = plan.first_rank(agent)
+    return Arrival(agent, 2, (0, 1), first, plan.generation, plan.world_size,
+                   writer=first == 0)
+
+
+def agents(network: Network, job: MemoryStore, plan: Plan, *addresses: str,
+           min_nodes: int = 1) -> dict[str, Coordinator]:
+    """Coordinators applying ``plan`` (committed in ``job``), quick to give up on peers."""
+    raw = plan.encode()
+    job.set(COMMITTED_KEY, raw)
+    made = {}
+    for address in addresses:
+        made[address] = Coordinator(address, network.store(address), network.peers(address),
+                                    min_nodes, arrive_seconds=0.5, follow_seconds=2.0)
+        made[address].adopt(plan, raw)
+    return made
+
+
+def reform(coordinator: Coordinator, job: MemoryStore, notice: Notice | None = None,
+           silent: frozenset[str] = frozenset()) -> Outcome:
+    assert coordinator.plan is not None
+    who, generation = coordinator.target(notice, silent)
+    return coordinator.reform(job, who, generation, holder(coordinator.address,
+                                                            coordinator.plan),
+                              detected_at=0.0, silent=silent)
+
+
+def member(coordinator: Coordinator, job: MemoryStore, results: dict[str, Outcome],
+           seconds: float = 3.0) -> None:
+    """A member's loop: wait for a call, follow it."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        notice = coordinator.notice()
+        if notice is not None:
+            results[coordinator.address] = reform(coordinator, job, notice)
+            return
+        time.sleep(0.005)
+
+
+def test_of_two_coordinators_at_once_one_plan_wins_and_the_other_follows_it() -> None:
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B, C)
+    results: dict[str, Outcome] = {}
+    threads = [threading.Thread(target=lambda a=a: results.__setitem__(
+        a, reform(coordinators[a], job))) for a in (B, A)]  # both noticed a loss at once
+    threads.append(threading.Thread(target=member, args=(coordinators[C], job, results)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    plans = {a: r for a, r in results.items() if isinstance(r, tuple)}
+    assert plans.keys() == {A, B, C}, results
+    assert len({raw for _, raw in plans.values()}) == 1  # one plan, every agent applies it
+    plan, raw = plans[A]
+    assert job.get(COMMITTED_KEY) == raw and plan.generation == base.generation + 1
+    assert plan.agents == (A, B, C)
+
+
+def test_a_stale_coordinator_s_commit_is_refused_and_it_learns_the_newer_plan() -> None:
+    network, job = Network(), MemoryStore()
+    old = world(A, B)
+    coordinators = agents(network, job, old, A)
+    newer = world(B, generation=5)  # B re-formed without A meanwhile
+    job.set(COMMITTED_KEY, newer.encode())
+    outcome = reform(coordinators[A], job, silent=frozenset({B}))
+    assert isinstance(outcome, tuple)
+    assert outcome[0] == newer and A not in outcome[0].agents  # A's side: it rejoins
+    assert job.get(COMMITTED_KEY) == newer.encode()
+
+
+def test_a_member_lost_mid_plan_is_left_out_once_the_arrival_time_is_up() -> None:
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B, C)  # C takes the call, never arrives
+    results: dict[str, Outcome] = {}
+    follower = threading.Thread(target=member, args=(coordinators[B], job, results))
+    follower.start()
+    started = time.monotonic()
+    outcome = reform(coordinators[A], job)
+    follower.join(10)
+    assert time.monotonic() - started < 2.0
+    assert isinstance(outcome, tuple)
+    plan, raw = outcome
+    assert plan.agents == (A, B) and plan.lost == (C,) and plan.failed_ranks == (4, 5)
+    assert results[B] == outcome and job.get(COMMITTED_KEY) == raw
+
+
+def test_a_partitioned_minority_never_re_forms_below_the_minimum_of_nodes() -> None:
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B, C, min_nodes=2)
+    network.partition({A}, {B, C})
+    results: dict[str, Outcome] = {}
+    majority = [threading.Thread(target=lambda: results.__setitem__(
+        B, reform(coordinators[B], job, silent=frozenset({A})))),
+        threading.Thread(target=member, args=(coordinators[C], job, results))]
+    for t in majority:
+        t.start()
+    assert reform(coordinators[A], job, silent=frozenset({B, C})) == RESTART
+    for t in majority:
+        t.join(10)
+    assert isinstance(results[B], tuple) and results[B] == results[C]
+    committed = Plan.decode(job.get(COMMITTED_KEY))
+    assert committed.agents == (B, C) and committed.lost == (A,)
+
+
+def test_a_thawed_node_commits_nothing_and_rejoins_without_its_stale_state() -> None:
+    network, job = Network(), MemoryStore()
+    old = world(A, B, C)
+    coordinators = agents(network, job, old, A, B, C)
+    # A froze; B and C re-formed without it as generation 5
+    newer = Plan(5, LIVE, (Member(B, 2), Member(C, 2)), B, "node lost", lost=(A,),
+                 kept={B: (0, 1), C: (0, 1)})
+    job.set(COMMITTED_KEY, newer.encode())
+    for address in (B, C):
+        coordinators[address].adopt(newer, newer.encode())
+    # A thaws: its workers' collectives fail, it calls the world it knows
+    outcome = reform(coordinators[A], job)
+    assert isinstance(outcome, tuple) and A not in outcome[0].agents
+    assert job.get(COMMITTED_KEY) == newer.encode()
+    assert coordinators[B].notice() is None  # a call for a generation B has: ignored
+    # A joins again: a new rendezvous round of A, B, C; A's workers hold generation 4's state
+    round_store, results = MemoryStore(), {}
+    arrivals = {A: holder(A, old), B: holder(B, newer), C: holder(C, newer)}
+
+    def agree(rank: int, address: str) -> None:
+        results[address] = coordinators[address].agree_on_round(
+            arrivals[address], Round(round_store, rank, 3), job, now=0.0)
+
+    threads = [threading.Thread(target=agree, args=(r, a)) for r, a in enumerate((B, C, A))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    plans = {a: r[0] for a, r in results.items()}
+    assert len({p.encode() for p in plans.values() if p}) == 1
+    plan = plans[A]
+    assert plan is not None and plan.generation == 6 and plan.agents == (B, C, A)
+    assert plan.keeps(A) == () and plan.keeps(B) == (0, 1)  # A's stale workers start again
+    assert job.get(COMMITTED_KEY) == plan.encode()
+
+
+def test_a_round_with_an_agent_that_is_not_ours_starts_the_torch_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    network, job = Network(), MemoryStore()
+    coordinator = Coordinator(A, network.store(A), network.peers(A))
+    round_store = MemoryStore()
+    # rank 1 never says what it brings (plain torchrun): rank 0 gives up after a while
+    monkeypatch.setattr(coordination, "MIXED_ROUND_SECONDS", 0.2)
+    plan, raw = coordinator.agree_on_round(Arrival(A, 2), Round(round_store, 0, 2), job)
+    assert (plan, raw) == (None, b"") and not job.check([COMMITTED_KEY])
+    assert round_store.get(COMMITTED_KEY) == STOCK_ROUND  # what its rank 1 would read
+
+
+def test_the_coordination_imports_no_torch() -> None:
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(coordination.__file__).read_text())
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
+    assert {m for m in modules if m.startswith("elastic_train.")} == {"elastic_train.live.plan"}
