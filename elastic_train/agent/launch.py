@@ -36,7 +36,7 @@ from elastic_train.agent.launch_options import (
     resolve,
 )
 from elastic_train.agent.worker_start import worker_processes, workers_released_on_close
-from elastic_train.config import JobConfig, parse_job_args
+from elastic_train.config import JobConfig, RecoveryMode, parse_job_args
 from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.rendezvous.config import (
     parse_rdzv_conf,
@@ -68,7 +68,7 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
                "(1 worker per node, 0 restarts, rendezvous id 'none', static rendezvous "
                "unless --rdzv-backend is given). A script gets the restart path: every "
                "worker restarts from the script's own checkpoint; ElasticSession adds live "
-               "recovery and exact resume (README).")
+               "recovery and exact resume (docs/running-jobs.md).")
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--help-job", action="store_true", help="show the job options")
     add_torchrun_options(p)
@@ -234,7 +234,7 @@ def first_failure_line(exc: BaseException) -> str:
 
 
 def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
-            recovery: str = "live", script: Sequence[str] = (), hot_spare: bool = False,
+            recovery: str = RecoveryMode.LIVE, script: Sequence[str] = (), hot_spare: bool = False,
             peer_seconds: float = PEER_TIMEOUT) -> None:
     """Run the elastic agent in this process until the job ends (``recovery``: the job's
     --recovery; agent/live_agent.py; a script's ElasticSession chooses for itself; ``hot_spare``:
@@ -246,7 +246,7 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
     from elastic_train.rendezvous.config import single_node
 
     listen_host = node_store_host(single_node(args.nnodes), args.local_addr)
-    spare = hot_spare and not script and recovery == "live"
+    spare = hot_spare and not script and recovery == RecoveryMode.LIVE
     try:
         join_timeout = float(parse_rdzv_conf(args.rdzv_conf).get("join_timeout", 600))
     except ValueError:
@@ -426,7 +426,7 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
     args.module = not args.no_python
     try:
         _launch(args, job_args, ns.worker_start,
-                config.distributed.recovery if config is not None else "live",
+                config.distributed.recovery if config is not None else RecoveryMode.LIVE,
                 (["-m"] if ns.module else []) + list(script), ns.hot_spare == "on",
                 ns.peer_timeout)
     except SignalException as exc:

@@ -83,6 +83,7 @@ from elastic_train.agent.worker_processes import (
     live_worker_env,
     per_worker_start,
 )
+from elastic_train.config import RecoveryMode
 from elastic_train.live.coordination import (
     FOLLOW_SECONDS,
     RESTART,
@@ -162,7 +163,7 @@ class LiveRecoveryAgent(TorchAgent):
     # ---- whether and where -----------------------------------------------------------------
     def _live_possible(self, worker_group: WorkerGroup) -> str | None:
         """None when this group's worlds can re-form in place, else why not."""
-        if self.options.recovery != "live":
+        if self.options.recovery != RecoveryMode.LIVE:
             return "--recovery restart"
         backend = worker_group.spec.rdzv_handler.get_backend()
         if (worker_group.group_world_size or 1) > 1 and backend not in ACROSS_NODES:
@@ -259,7 +260,7 @@ class LiveRecoveryAgent(TorchAgent):
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         why_not = self._live_possible(worker_group)
         if why_not is not None:
-            if self.options.recovery == "live" and not self._said_why_not:
+            if self.options.recovery == RecoveryMode.LIVE and not self._said_why_not:
                 log.warning("live recovery is off (%s): a failed worker restarts every "
                             "worker from the newest checkpoint", why_not)
                 self._said_why_not = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastic_train.agent.failure_detector import TIMEOUT as DETECTOR_TIMEOUT
+from elastic_train.config import RecoveryMode
 
 C10D_JOIN_TIMEOUT = 600.0
 """torch's default ``join_timeout`` of the c10d rendezvous."""
@@ -16,7 +17,7 @@ class LiveOptions:
     """What ``elastic-train run`` tells its agent (``live_agent_installed`` hands it to each
     agent torch's launcher builds)."""
 
-    recovery: str = "live"
+    recovery: str = RecoveryMode.LIVE
     """'live' or 'restart' (the job's --recovery)."""
     listen_host: str | None = None
     """The IP address the agent's store listens on (None: every interface;

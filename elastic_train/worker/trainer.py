@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.checkpoint.manager import Restored
 from elastic_train.config import JobConfig
 from elastic_train.errors import ConfigError
-from elastic_train.observe.event_schema import Startup, Step
 from elastic_train.observe.event_schema import BatchPlan as BatchPlanEvent
+from elastic_train.observe.event_schema import Startup, Step
 from elastic_train.observe.events import EventObserver, read_events
 from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
