@@ -206,6 +206,7 @@ def _two_nodes(run_dir: Path, job_id: str) -> list[harness.Job]:
             for name, host in (("node-a", "true"), ("node-b", "false"))]
 
 
+@pytest.mark.extended  # across real hosts, bitwise: test_across_hosts.py (a worker killed there)
 def test_workers_lost_on_either_of_two_nodes_are_replaced_in_place_bitwise_exact(
         tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
     """Two agents (c10d, one worker each), two kills in a row: rank 1 mid-interval, then

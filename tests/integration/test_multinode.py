@@ -396,6 +396,7 @@ def c10d_node(tmp_path: Path, port: int, job: list[str], rdzv_conf: str = FAST
     return start
 
 
+@pytest.mark.extended  # across real hosts, cut off and back: test_across_hosts.py (c10d)
 def test_c10d_loses_a_node_and_grows_back_in_place_scaling_the_lr(tmp_path: Path,
                                                                   report: Any) -> None:
     """c10d with the README's command, the store in node-a: node-b dies (the survivable

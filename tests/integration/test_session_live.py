@@ -205,9 +205,9 @@ def test_a_loop_on_plain_ddp_says_why_and_takes_the_restart_path(
     assert ema_digest(run_dir) == reference_ema  # from the checkpoint
 
 
-# etcd-v3 across real hosts, with a pulled cable: test_across_hosts.py (so extended here)
-@pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd-v3",
-                                                          marks=pytest.mark.extended)])
+# Across real hosts, with a pulled cable: test_across_hosts.py (so extended here, on one host)
+@pytest.mark.extended
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
 def test_a_hand_written_loop_grows_and_shrinks_in_place_across_nodes(
         backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """Two agents on c10d (node-a hosts the store) or on etcd-v3 (a real etcd, v3 API

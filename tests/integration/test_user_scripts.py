@@ -21,9 +21,18 @@ FINISHED = {"tutorial": r"\[RANK{rank}\] done", "module": r"module rank {rank}: 
             "plain": r"rank {rank} \(local \d\) of 2: loss"}
 
 
-@pytest.mark.parametrize("kill", [None, 1], ids=["no-fault", "sigkill"])
-@pytest.mark.parametrize("worker_start", ["forkserver", "subprocess"])
-@pytest.mark.parametrize("shape", ["tutorial", "module", "plain"])
+# Every shape under each start method without a fault; with a SIGKILL, the tutorial under
+# both and the module under forkserver (the other kills: make test-extended).
+SCRIPT_CASES = [
+    pytest.param(shape, start, kill, id=f"{shape}-{start}-{'sigkill' if kill else 'no-fault'}",
+                 marks=[pytest.mark.extended] if kill and (shape, start) in (
+                     ("module", "subprocess"), ("plain", "subprocess"), ("plain", "forkserver"))
+                 else [])
+    for shape in ("tutorial", "module", "plain") for start in ("forkserver", "subprocess")
+    for kill in (None, 1)]
+
+
+@pytest.mark.parametrize(("shape", "worker_start", "kill"), SCRIPT_CASES)
 def test_an_unmodified_script_ends_with_its_status(tmp_path: Path, shape: str,
                                                    worker_start: str, kill: int | None) -> None:
     outcome = script_jobs.run(shape, tmp_path, worker_start=worker_start, kill_rank=kill,
@@ -80,9 +89,12 @@ def world(launcher: list[str], env: dict[str, str], tmp_path: Path, name: str) -
     return sorted(p.read_text().strip() for p in cwd.glob("world-*.txt"))
 
 
-@pytest.mark.parametrize("env", [{}, {"PET_RDZV_ID": "kf-job"}, {"PET_NPROC_PER_NODE": "2"},
-                                 {"PET_RDZV_ID": "kf-job", "PET_NPROC_PER_NODE": "2"}],
-                         ids=["operator-defaults", "rdzv-id", "nproc", "rdzv-id+nproc"])
+# Each variable alone: make test-extended (tests/unit/test_launch_options.py resolves them).
+@pytest.mark.parametrize("env", [
+    pytest.param({}, id="operator-defaults"),
+    pytest.param({"PET_RDZV_ID": "kf-job"}, id="rdzv-id", marks=pytest.mark.extended),
+    pytest.param({"PET_NPROC_PER_NODE": "2"}, id="nproc", marks=pytest.mark.extended),
+    pytest.param({"PET_RDZV_ID": "kf-job", "PET_NPROC_PER_NODE": "2"}, id="rdzv-id+nproc")])
 def test_a_pet_only_launch_gets_torchruns_world(tmp_path: Path, env: dict[str, str]) -> None:
     theirs = world([sys.executable, "-m", "torch.distributed.run"], env, tmp_path, "torchrun")
     ours = world([sys.executable, "-m", "elastic_train", "run"], env, tmp_path, "elastic")
