@@ -295,7 +295,7 @@ class LiveRecoveryAgent(TorchAgent):
                           self.options.store_lost_seconds,
                           self.get_worker_group().spec.rdzv_handler.get_run_id())
 
-    # ---- telling the workers ----------------------------------------------------------------
+    # ---- plans and torch's worker group -----------------------------------------------------
     def _adopt(self, worker_group: WorkerGroup, plan: Plan, raw: bytes) -> None:
         """Take ``plan`` as this agent's generation: torch's view of the workers follows."""
         assert self._node is not None
@@ -343,7 +343,6 @@ class LiveRecoveryAgent(TorchAgent):
             worker_group.state = WorkerState.HEALTHY
             return
         self.torch_restart_workers(worker_group)
-
 
 
 @contextlib.contextmanager
