@@ -16,6 +16,7 @@ import select
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 
 class ExitWatch:
@@ -78,6 +79,21 @@ class ExitWatch:
                         ended = True
             if ended:
                 self._wake.set()
+
+    def watch_started(self, pids: dict[int, Any]) -> dict[int, Any]:
+        """``pids`` (torch's started workers), each watched for its end from now on."""
+        for pid in pids.values():
+            if isinstance(pid, int):
+                self.watch(pid)
+        return pids
+
+    def wake_if_unreported(self, pids: Iterable[Any]) -> None:
+        """A watched worker among ``pids`` ended but its process context does not report
+        it yet (a forkserver reaps and reports its children a moment later): set ``wake``
+        to look again soon, not at the next --monitor-interval."""
+        if self.ended_among(pids):
+            time.sleep(0.001)
+            self._wake.set()
 
     def ended_among(self, pids: Iterable[int], within: float = 0.25) -> bool:
         """Whether one of ``pids`` ended in the last ``within`` seconds (its parent may not

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
-from elastic_train.agent.torch_seams import worker_logs_specs
+from elastic_train.agent.torch_seams import start_processes_replaced, worker_logs_specs
 from elastic_train.live.environment import LIVE_GENERATION, LIVE_RECOVERY, LIVE_STORE
 from elastic_train.live.spare import assign, spare_delay, spare_env
 
@@ -233,3 +233,12 @@ def per_worker_start(live_store: str, generation: int, watch: Callable[[int], No
         return start_processes
 
     return make
+
+
+@contextlib.contextmanager
+def per_worker_contexts(live_store: str, generation: int, watch: Callable[[int], None],
+                        spare_store: dist.Store | None) -> Iterator[None]:
+    """While torch's local agent starts its workers in the block: one context per worker,
+    the workers told that the agent restarts them one by one (``per_worker_start``)."""
+    with start_processes_replaced(per_worker_start(live_store, generation, watch, spare_store)):
+        yield
