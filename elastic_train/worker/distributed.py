@@ -165,12 +165,12 @@ def broadcast_bytes(group: Group, data: bytes | None, src: int = 0) -> bytes:
         size = torch.tensor([len(data)], dtype=torch.int64, device=group.device)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=group.device)
-    aborts.wait(dist.broadcast(size, src, async_op=True))
+    aborts.wait(dist.broadcast(size, src, async_op=True), size)
     if group.rank == src:
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(group.device)  # type: ignore[arg-type]
     else:
         buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=group.device)
-    aborts.wait(dist.broadcast(buffer, src, async_op=True))
+    aborts.wait(dist.broadcast(buffer, src, async_op=True), buffer)
     return data if group.rank == src else buffer.cpu().numpy().tobytes()  # type: ignore[return-value]
 
 
@@ -198,7 +198,7 @@ def broadcast_state(group: Group, states: Mapping[str, Any] | None, src: int
         layout = state_wire.read_header(header)
         data = torch.empty(layout["size"], dtype=torch.uint8, device=group.device)
     if group.world_size > 1:
-        aborts.wait(dist.broadcast(data, src, async_op=True))
+        aborts.wait(dist.broadcast(data, src, async_op=True), data)
     sent = len(header) + data.numel()
     if group.rank == src:
         return None, sent
@@ -212,7 +212,7 @@ def sum_over_ranks(group: Group, values: torch.Tensor) -> list[float]:
     all-reduce, so that every rank leaves the loop at the same step.
     """
     if group.world_size > 1:
-        aborts.wait(dist.all_reduce(values, async_op=True))
+        aborts.wait(dist.all_reduce(values, async_op=True), values)
     return values.tolist()
 
 
@@ -221,7 +221,7 @@ def all_true(group: Group, flag: bool) -> bool:
     if group.world_size == 1:
         return flag
     vote = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group.device)
-    aborts.wait(dist.all_reduce(vote, op=dist.ReduceOp.MIN, async_op=True))
+    aborts.wait(dist.all_reduce(vote, op=dist.ReduceOp.MIN, async_op=True), vote)
     return bool(vote.item())
 
 

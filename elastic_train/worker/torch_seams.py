@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -18,7 +19,8 @@ from elastic_train.torch_private import Private
 
 __all__ = ["REQUIRED", "default_store", "destroy_process_group_preceded_by",
            "group_shutdown_skipped", "groups_of_this_process", "keep_lr_scheduler_mark",
-           "remove_gradient_hooks", "renew_reducer", "reset_group_count"]
+           "remove_gradient_hooks", "renew_reducer", "reset_group_count",
+           "tensor_use_count"]
 
 _DDP = "torch.nn.parallel.distributed"
 _C10D = "torch.distributed.distributed_c10d"
@@ -50,6 +52,8 @@ REQUIRED: tuple[Private, ...] = (
             "(destroy_process_group_preceded_by)", params=("group",)),
     Private("torch.distributed", "ProcessGroup.shutdown", "replaced while a group with stuck "
             "work is dropped (group_shutdown_skipped)"),
+    Private("torch", "Tensor._use_count", "to tell when no work of the backend holds a "
+            "tensor any more (tensor_use_count)"),
 )
 
 
@@ -68,6 +72,11 @@ def renew_reducer(ddp: DistributedDataParallel, group: dist.ProcessGroup) -> Non
     for hook, state in ddp._comm_hooks:
         ddp.logger._set_comm_hook_name(hook.__qualname__)
         dist._register_comm_hook(ddp.reducer, state, hook)
+
+
+def tensor_use_count(tensor: torch.Tensor) -> int:
+    """How many holders ``tensor``'s storage has in C++ (a work of the backend is one)."""
+    return tensor._use_count()
 
 
 def remove_gradient_hooks(ddp: DistributedDataParallel) -> None:

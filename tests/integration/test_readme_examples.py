@@ -233,23 +233,27 @@ def test_handwritten_loop_stops_on_sigterm_and_the_rerun_loses_no_step(
     finally:
         job.stop()
     events = list(read_events(run_dir / EVENTS_FILE))
-    (preempted,) = [e for e in events if e["event"] == "preempted"]
-    stopped = preempted["step"]
-    assert 30 <= stopped < 128
-    assert max(e["step"] for e in events if e["event"] == "step") == stopped
+    # no worker failed on its way out: torchrun's agent would have restarted them all
+    assert [e["restart"] for e in events if e["event"] == "start"] == [0], job.report()
+    preempted = [e for e in events if e["event"] == "preempted"]
+    assert len(preempted) == 1, job.report()
+    stopped = preempted[0]["step"]
+    assert 30 <= stopped < 128, job.report()
+    assert max(e["step"] for e in events if e["event"] == "step") == stopped, job.report()
     saved = [(e["step"], e["reason"]) for e in events if e["event"] == "checkpoint_saved"]
-    assert saved[-1] == (stopped, "preemption"), saved
-    assert "end" not in [e["event"] for e in events]
+    assert saved[-1] == (stopped, "preemption"), (saved, job.report())
+    assert "end" not in [e["event"] for e in events], job.report()
     out = job.output()
-    assert f"stop requested (preemption): stopped at step {stopped} with a checkpoint" in out
-    assert "Traceback" not in out
+    assert f"stop requested (preemption): stopped at step {stopped} with a checkpoint" in out, \
+        job.report()
+    assert "Traceback" not in out, job.report()
 
     rerun = harness.start(argv, run_dir, cwd=workdir)
     assert rerun.wait(TIMEOUT) == 0, rerun.report()
     loaded = [e["step"] for e in read_events(run_dir / EVENTS_FILE)
               if e["event"] == "checkpoint_loaded"]
     assert loaded == [stopped], rerun.report()                  # no step lost
-    assert harness.digest_at(run_dir, 128) == tutorial_reference
+    assert harness.digest_at(run_dir, 128) == tutorial_reference, rerun.report()
 
 
 def step_loop_command(run_dir: str) -> list[str]:

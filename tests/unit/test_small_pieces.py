@@ -655,6 +655,41 @@ def test_no_backend_thread_holds_a_callback_of_ours_once_the_group_is_destroyed(
     assert not dist.is_initialized()
 
 
+def test_the_group_is_destroyed_only_once_no_work_holds_a_tensor_of_our_collectives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same abort at exit came from a gloo thread freeing a work that held our vote's
+    tensor (a barrier kept it until the barrier's work was freed): that frees the tensor's
+    Python object, under the GIL. Each tensor given to a collective is kept until no work
+    holds it, then freed by this thread; ``settle_callbacks`` waits for that."""
+    import torch.distributed as dist
+
+    from elastic_train.worker import aborts, distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    monkeypatch.setattr(aborts, "_abandoned", [])  # other tests of this process did
+    try:
+        assert aborts.settle_callbacks(5.0)
+        tensor = torch.ones(3)
+        work = dist.all_reduce(tensor, async_op=True)  # held here, as gloo's thread may
+        aborts.wait(work, tensor)
+        del tensor
+        assert not aborts.settle_callbacks(0.05)
+        assert len(aborts._handed) == 1  # kept: its work still holds it
+        del work
+        assert aborts.settle_callbacks(5.0)
+        assert not aborts._handed and aborts._callbacks_pending == 0
+        for _ in range(100):  # each kept only until gloo's thread let go of it
+            values = torch.ones(2)
+            aborts.wait(dist.all_reduce(values, async_op=True), values)
+        del values
+        assert aborts.settle_callbacks(5.0)
+        assert not aborts._handed
+    finally:
+        distributed.destroy_group()
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize(("argv", "split"), [
     (["--nproc-per-node", "2", "train.py", "runs/x", "--lr", "1"],
      (["--nproc-per-node", "2"], ["train.py", "runs/x", "--lr", "1"])),
