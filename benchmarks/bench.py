@@ -190,7 +190,7 @@ def _summary(values: list[float]) -> str:
 
 
 def _ratio(num: list[float], den: list[float]) -> str:
-    if not num or not den:
+    if not num or not den or statistics.median(den) == 0:
         return "n/a"
     return f"{statistics.median(num) / statistics.median(den):.3f}"
 
