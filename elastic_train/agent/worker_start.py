@@ -25,7 +25,6 @@ from elastic_train.agent.environment import (
     launcher_environment_defaults,
     worker_env_file,
 )
-from elastic_train.agent.torch_seams import finished_workers_released_on_close
 
 # Imported once by the forkserver; every (re)started worker is forked with them loaded.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
@@ -85,5 +84,9 @@ def workers_released_on_close() -> Iterator[None]:
     runs out and it is SIGKILLed. Setting the event at the start of close() lets it exit
     at once; workers still running are unaffected (they wait for it only after returning).
     """
+    # Imported here: the seam imports torch, and this module is imported before the
+    # forkserver starts, whose own import of torch must not wait for the launcher's.
+    from elastic_train.agent.torch_seams import finished_workers_released_on_close
+
     with finished_workers_released_on_close():
         yield

@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,14 @@ def test_the_layering_checks_see_the_packages() -> None:
     assert package_imports("agent") and package_imports("worker") and package_imports("live")
     assert "elastic_train.worker.train" in {m for ms in package_imports("agent").values()
                                             for m in ms}
+
+
+def test_the_launcher_imports_no_torch_before_it_starts_the_workers_server() -> None:
+    """The forkserver imports torch while the launcher does (agent/worker_start.py): a
+    module-level import of torch on the launcher's path serialises the two (a torch seam
+    imported at load cost 0.45 s of every job's start, bench.py's 'job start')."""
+    code = ("import sys, elastic_train.cli, elastic_train.agent.launch, "
+            "elastic_train.agent.worker_start; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
