@@ -25,17 +25,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from elastic_train.live.coordination import (  # noqa: F401 - the coordination's, used here
-    NOTICE_KEY,
-    PREFIX,
-    RESTART,
-    Notice,
-    arrival_key,
-    commit_plan,
-    local_value,
-    plan_key,
-    take_over,
-)
+from elastic_train.live.coordination import PREFIX
 from elastic_train.process_exit import left_in_c
 
 T = TypeVar("T")

@@ -12,15 +12,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from elastic_train.live.coordination import commit_plan, local_value, take_over
 from elastic_train.live.messages import Announcement
-from elastic_train.live.peers import (
-    PROBE_SECONDS,
-    PeerStores,
-    commit_plan,
-    local_value,
-    reachable,
-    take_over,
-)
+from elastic_train.live.peers import PROBE_SECONDS, PeerStores, reachable
 from elastic_train.live.plan import FRESH, LIVE, Arrival, Member, Plan, plan_reformation, plan_round
 
 A, B, C = "host-a:1", "host-b:2", "host-c:3"
