@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from elastic_train import __version__
+from elastic_train.config import run_location, storage_from_options
 from elastic_train.errors import ElasticTrainError
 from elastic_train.process_exit import exit_process
 from elastic_train.rundir import RunDir
@@ -43,11 +44,9 @@ commands:
 """
 
 
-def _checkpoint_store(run_dir: Path) -> CheckpointStore:
-    from elastic_train.checkpoint.storage import CheckpointStore
-
+def _checkpoint_store(run_dir: RunDir) -> CheckpointStore:
     _check_run_dir(run_dir)
-    return CheckpointStore(RunDir(run_dir).checkpoints)
+    return run_dir.checkpoint_store()
 
 
 def _checkpoint_rows(store: CheckpointStore) -> list[dict[str, Any]]:
@@ -76,13 +75,26 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _check_run_dir(run_dir: Path) -> None:
-    if not run_dir.is_dir():
+def _check_run_dir(run_dir: RunDir) -> None:
+    if not run_dir.exists():
         raise ElasticTrainError(f"run directory {run_dir} does not exist: pass the --run-dir "
                                 "of a job")
 
 
-def checkpoints_list(run_dir: Path, as_json: bool) -> int:
+def _run_dir_arguments(parser: argparse.ArgumentParser) -> None:
+    """RUN_DIR (a path or s3://BUCKET/PREFIX) and how to reach an object store."""
+    parser.add_argument("run_dir", type=run_location, metavar="RUN_DIR",
+                        help="the job's --run-dir: a path or s3://BUCKET/PREFIX")
+    parser.add_argument("--storage-opt", dest="storage_opt", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="as the job's --storage-opt (endpoint_url, region, profile, ...)")
+
+
+def _layout(ns: argparse.Namespace) -> RunDir:
+    return RunDir(ns.run_dir, storage_from_options(ns.storage_opt))
+
+
+def checkpoints_list(run_dir: RunDir, as_json: bool) -> int:
     store = _checkpoint_store(run_dir)
     rows = _checkpoint_rows(store)
     leftovers = [str(p) for p in store.leftovers()]
@@ -108,7 +120,7 @@ def checkpoints_list(run_dir: Path, as_json: bool) -> int:
     return 0
 
 
-def checkpoints_verify(run_dir: Path) -> int:
+def checkpoints_verify(run_dir: RunDir) -> int:
     rows = _checkpoint_rows(_checkpoint_store(run_dir))
     bad = [r for r in rows if not r["valid"]]
     for r in rows:
@@ -122,7 +134,7 @@ def checkpoints_verify(run_dir: Path) -> int:
     return 0
 
 
-def checkpoints_export(run_dir: Path, out: Path, step: int | None) -> int:
+def checkpoints_export(run_dir: RunDir, out: Path, step: int | None) -> int:
     from elastic_train.checkpoint.export import export_checkpoint
 
     result = export_checkpoint(_checkpoint_store(run_dir), out, step)
@@ -135,42 +147,44 @@ def _checkpoints(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="elastic-train checkpoints", allow_abbrev=False)
     sub = parser.add_subparsers(dest="action", required=True)
     p_list = sub.add_parser("list", help="list checkpoints with validity and digests")
-    p_list.add_argument("run_dir", type=Path)
+    _run_dir_arguments(p_list)
     p_list.add_argument("--json", action="store_true")
     p_verify = sub.add_parser("verify", help="exit 1 if any checkpoint is corrupt")
-    p_verify.add_argument("run_dir", type=Path)
+    _run_dir_arguments(p_verify)
     p_export = sub.add_parser(
         "export", help="write a checkpoint's model weights to a .safetensors or .pt file")
-    p_export.add_argument("run_dir", type=Path)
+    _run_dir_arguments(p_export)
     p_export.add_argument("out", type=Path,
                           help="the file to write: .safetensors, or .pt, .pth, .bin (torch)")
     p_export.add_argument("--step", type=int, default=None, metavar="N",
                           help="the checkpoint of step N (default: the newest valid one)")
     ns = parser.parse_args(list(argv))
     if ns.action == "list":
-        return checkpoints_list(ns.run_dir, ns.json)
+        return checkpoints_list(_layout(ns), ns.json)
     if ns.action == "export":
-        return checkpoints_export(ns.run_dir, ns.out, ns.step)
-    return checkpoints_verify(ns.run_dir)
+        return checkpoints_export(_layout(ns), ns.out, ns.step)
+    return checkpoints_verify(_layout(ns))
 
 
 def _report(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="elastic-train report", allow_abbrev=False,
         description="Draw a run from its event log and summarise it.")
-    parser.add_argument("run_dir", type=Path)
+    _run_dir_arguments(parser)
     parser.add_argument("--output", type=Path, default=None, metavar="PNG",
-                        help="where the picture goes (default RUN_DIR/report.png); the "
+                        help="where the picture goes (default RUN_DIR/report.png; for "
+                             "s3:// this host's local directory of it); the "
                              "summary goes beside it as .txt")
     parser.add_argument("--run-id", default=None,
                         help="which run of the log (default: the newest)")
     parser.add_argument("--no-plot", action="store_true",
                         help="only the summary (no matplotlib needed)")
     ns = parser.parse_args(list(argv))
-    _check_run_dir(ns.run_dir)
+    layout = _layout(ns)
+    _check_run_dir(layout)
     from elastic_train.observe.report import write_report
 
-    report = write_report(ns.run_dir, ns.output, ns.run_id, plot=not ns.no_plot)
+    report = write_report(layout, ns.output, ns.run_id, plot=not ns.no_plot)
     print(report.text, end="")
     written = [p for p in (report.image_path, report.summary_path) if p is not None]
     print("wrote " + ", ".join(str(p) for p in written))

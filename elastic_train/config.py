@@ -104,14 +104,51 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """How to reach an object store run directory (``s3://``): what boto3's own chain
+    (``AWS_*`` variables, config files, pod identity) does not say. Never credentials."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    addressing_style: str | None = None
+    """``path``, ``virtual`` or ``auto``; default: ``path`` with a custom endpoint."""
+    local_dir: str | None = None
+    """Where this node keeps its event log and sample records before they are uploaded
+    (default: ``$ELASTIC_TRAIN_LOCAL_DIR``, else a directory under the system's temp)."""
+    connect_timeout: float = 5.0
+    read_timeout: float = 20.0
+    max_attempts: int = 3
+    publish_seconds: float = 10.0
+    """How often a worker uploads its event log and sample records."""
+
+
+STORAGE_KEYS = ("endpoint_url", "region", "profile", "addressing_style", "local_dir",
+                "connect_timeout", "read_timeout", "max_attempts", "publish_seconds")
+
+
+RunLocation = Path | str
+"""A run directory: a local path, or an object store URL (``s3://bucket/prefix``) kept as
+text (a Path would fold its ``//``)."""
+
+
+def run_location(text: str | Path) -> RunLocation:
+    """A run directory as given: a URL stays text, anything else is a path."""
+    if isinstance(text, str) and "://" in text:
+        return text
+    return Path(text)
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """A whole job: where it writes and its sections."""
 
-    run_dir: Path = Path("runs/default")
+    run_dir: RunLocation = Path("runs/default")
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict in the config file's layout."""
@@ -128,6 +165,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "distributed": DistributedConfig,
     "metrics": MetricsConfig,
+    "storage": StorageConfig,
 }
 
 
@@ -165,7 +203,9 @@ def _bool(text: str) -> bool:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--run-dir", "", "run_dir", "directory for checkpoints and the event log", Path),
+    Option("--run-dir", "", "run_dir", "directory for checkpoints and the event log: a "
+           "path, or s3://BUCKET/PREFIX (an object store; docs/object-storage.md)",
+           run_location),
     Option("--task", "train", "task", "built-in task name (gpt) or package.module:factory"),
     Option("--steps", "train", "steps", "optimizer steps in total", int),
     Option("--batch-size", "train", "batch_size",
@@ -274,6 +314,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
 _FILE_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
     "int | None": (int, type(None)), "float | None": (int, float, type(None)),
+    "str | None": (str, type(None)),
     "Mapping[str, OptionValue]": (dict,),
 }
 
@@ -356,11 +397,35 @@ def check_session_options(*, checkpoint_every: int | None, preemption_budget: fl
                           "number of seconds, or None")
 
 
-def _parse_task_option(text: str) -> tuple[str, str]:
+def _parse_task_option(text: str, flag: str = "--task-opt") -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise ConfigError(f"--task-opt {text!r} is invalid: write it as KEY=VALUE")
+        raise ConfigError(f"{flag} {text!r} is invalid: write it as KEY=VALUE")
     return key.strip(), value
+
+
+def storage_from_options(texts: Sequence[str], base: Mapping[str, Any] | None = None
+                         ) -> StorageConfig:
+    """``--storage-opt KEY=VALUE`` texts over ``base`` (the config file's ``[storage]``)."""
+    values: dict[str, Any] = dict(base or {})
+    for text in texts:
+        key, value = _parse_task_option(text, "--storage-opt")
+        if key not in STORAGE_KEYS:
+            raise ConfigError(f"--storage-opt {key}: unknown key; the keys are "
+                              f"{', '.join(STORAGE_KEYS)} (credentials come from AWS_* "
+                              "variables or profiles, never options)")
+        field_type = {f.name: f.type for f in dataclasses.fields(StorageConfig)}[key]
+        try:
+            values[key] = (float(value) if field_type == "float" else
+                           int(value) if field_type == "int" else value)
+        except ValueError:
+            raise ConfigError(f"--storage-opt {key}={value!r} is invalid: expected a "
+                              f"{field_type}") from None
+    style = values.get("addressing_style")
+    if style not in (None, "path", "virtual", "auto"):
+        raise ConfigError(f"--storage-opt addressing_style={style!r} is invalid: use path, "
+                          "virtual or auto")
+    return StorageConfig(**values)
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -380,6 +445,11 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                            default=argparse.SUPPRESS, metavar=opt.metavar, help=opt.help)
     group.add_argument("--task-opt", dest="task_opt", action="append", default=argparse.SUPPRESS,
                        metavar="KEY=VALUE", help="a task option (repeatable), e.g. preset=medium")
+    group.add_argument("--storage-opt", dest="storage_opt", action="append",
+                       default=argparse.SUPPRESS, metavar="KEY=VALUE",
+                       help="how to reach an s3:// run dir (repeatable): endpoint_url, region, "
+                            "profile, addressing_style, local_dir, connect_timeout, "
+                            "read_timeout, max_attempts, publish_seconds")
     group.add_argument("--preset", dest="preset", default=argparse.SUPPRESS,
                        help="shortcut for --task-opt preset=NAME (built-in task: tiny, small, "
                             "medium, large)")
@@ -409,7 +479,7 @@ def config_from_namespace(ns: argparse.Namespace) -> JobConfig:
         if not isinstance(layered["run_dir"], str) or not layered["run_dir"]:
             raise ConfigError(f"run_dir = {layered['run_dir']!r} is invalid: expected a path "
                               "string")
-        top["run_dir"] = Path(layered["run_dir"])
+        top["run_dir"] = run_location(layered["run_dir"])
     for opt in OPTIONS:
         key = f"{opt.section}.{opt.name}"
         if key not in given:
@@ -431,11 +501,14 @@ def config_from_namespace(ns: argparse.Namespace) -> JobConfig:
         if shortcut in given:
             task_options[shortcut] = given[shortcut]
     sections["train"]["task_options"] = task_options
+    storage = storage_from_options(given.get("storage_opt", []), sections.pop("storage"))
     try:
-        built = {name: cls(**sections[name]) for name, cls in SECTIONS.items()}
+        built = {name: cls(**sections[name]) for name, cls in SECTIONS.items()
+                 if name != "storage"}
     except TypeError as exc:
         raise ConfigError(f"config is invalid ({exc}): check the field names") from None
-    config = JobConfig(run_dir=Path(top.get("run_dir", JobConfig.run_dir)), **built)
+    config = JobConfig(run_dir=run_location(top.get("run_dir", JobConfig.run_dir)),
+                       storage=storage, **built)
     return validate(config)
 
 

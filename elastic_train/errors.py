@@ -139,3 +139,15 @@ class NetworkConfigError(ConfigError):
 class RendezvousStoreLostError(ElasticTrainError):
     """The c10d rendezvous' store (in one node's agent) stopped answering: the job cannot
     re-form without it."""
+
+
+class StorageError(ElasticTrainError):
+    """The object store a run directory names failed an operation (checkpoint/object_store.py)."""
+
+
+class StorageUnavailableError(StorageError):
+    """The object store did not answer (down, unreachable, timed out)."""
+
+
+class StorageRefusedError(StorageError):
+    """The object store answered no: a missing bucket, refused credentials or permissions."""

@@ -193,13 +193,13 @@ def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
     metrics ports in use."""
     import torch
 
-    from elastic_train.checkpoint.storage import CheckpointStore, check_compatible, tensor_shapes
+    from elastic_train.checkpoint.storage import check_compatible, tensor_shapes
     from elastic_train.observe.metrics import check_single_process_mode
     from elastic_train.observe.metrics_server import check_ports_free
     from elastic_train.tasks.base import TaskContext
     from elastic_train.tasks.loader import load_task
 
-    run_dir = RunDir(config.run_dir).prepare()
+    run_dir = RunDir(config.run_dir, config.storage).prepare()
     task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                     config.train.seed, config.run_dir))
     try:
@@ -208,7 +208,7 @@ def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
     except Exception as exc:  # a model that cannot be built on meta: the workers will check
         log.debug("skipping the checkpoint pre-check: %s", exc)
     else:
-        for info in CheckpointStore(run_dir.checkpoints).list():
+        for info in run_dir.checkpoint_store().list():
             if info.manifest is not None:
                 check_compatible(info, shapes)
                 break

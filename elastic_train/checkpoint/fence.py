@@ -29,6 +29,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from elastic_train.checkpoint.storage import fsync_dir
 from elastic_train.errors import CheckpointFencedError
@@ -55,23 +56,47 @@ class Claim:
 
 
 class WriterFence:
-    """The writer epochs of one run directory."""
+    """The writer epochs of one run directory (a local or shared filesystem)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
+    # ---- the three primitives a storage provides -----------------------------------------
     def _epochs(self) -> list[int]:
         if not self.directory.is_dir():
             return []
         return sorted(int(m.group(1)) for m in map(_EPOCH_FILE.match, os.listdir(self.directory))
                       if m)
 
+    def _read_text(self, epoch: int) -> str | None:
+        try:
+            return (self.directory / f"epoch-{epoch:08d}").read_text()
+        except OSError:
+            return None
+
+    def _create(self, epoch: int, record: bytes) -> bool:
+        """Create epoch ``epoch``'s claim unless it exists (``O_EXCL``); whether it did."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.directory / f"epoch-{epoch:08d}",
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, record)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.directory)
+        return True
+
+    # ---- claims --------------------------------------------------------------------------
     def _read(self, epoch: int) -> Claim:
         try:
-            raw = json.loads((self.directory / f"epoch-{epoch:08d}").read_text())
+            raw = json.loads(self._read_text(epoch) or "")
             return Claim(epoch, raw.get("resumed_from"), raw.get("run_id"), raw.get("host"),
                          raw.get("pid"), raw.get("time"))
-        except (OSError, ValueError, AttributeError):
+        except (ValueError, AttributeError):
             return Claim(epoch, None)  # being written, or torn: still a claim
 
     def claims(self) -> list[Claim]:
@@ -79,32 +104,20 @@ class WriterFence:
         return [self._read(epoch) for epoch in self._epochs()]
 
     def newest(self) -> Claim | None:
-        """The newest claim (one directory listing, one file read)."""
+        """The newest claim (one listing, one read)."""
         epochs = self._epochs()
         return self._read(epochs[-1]) if epochs else None
 
     def claim(self, resumed_from: int | None, run_id: str) -> int:
         """Claim the next epoch for this world (rank 0, once per world); its number."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         newest = self.newest()
         epoch = newest.epoch + 1 if newest is not None else 1
         record = json.dumps({"resumed_from": resumed_from, "run_id": run_id,
                              "host": socket.gethostname(), "pid": os.getpid(),
                              "time": time.time()}).encode()
-        while True:
-            path = self.directory / f"epoch-{epoch:08d}"
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                epoch += 1  # another world claimed it first: the next one is ours
-                continue
-            try:
-                os.write(fd, record)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            fsync_dir(self.directory)
-            return epoch
+        while not self._create(epoch, record):
+            epoch += 1  # another world claimed it first: the next one is ours
+        return epoch
 
     def check(self, epoch: int, step: int) -> None:
         """Before committing checkpoint ``step`` of ``epoch``: raise when a newer world owns
@@ -112,6 +125,29 @@ class WriterFence:
         newest = self.newest()
         if newest is not None and newest.epoch > epoch:
             raise CheckpointFencedError(step, epoch, newest.epoch, newest.describe())
+
+
+class ObjectWriterFence(WriterFence):
+    """The writer epochs of a run directory in an object store: ``writers/epoch-E``
+    objects, created by a conditional write (``If-None-Match: *``) where the filesystem
+    uses ``O_EXCL``. A server that ignores the condition (some S3-compatible ones) lets two
+    worlds that claim at the same instant share an epoch: docs/object-storage.md."""
+
+    def __init__(self, objects: Any, prefix: str) -> None:
+        self.objects = objects
+        self.prefix = prefix.strip("/")
+        self.directory = Path(self.prefix)  # for messages only
+
+    def _epochs(self) -> list[int]:
+        names = (o.key.rsplit("/", 1)[-1] for o in self.objects.list(self.prefix + "/"))
+        return sorted(int(m.group(1)) for m in map(_EPOCH_FILE.match, names) if m)
+
+    def _read_text(self, epoch: int) -> str | None:
+        raw = self.objects.get(f"{self.prefix}/epoch-{epoch:08d}")
+        return None if raw is None else raw.decode(errors="replace")
+
+    def _create(self, epoch: int, record: bytes) -> bool:
+        return self.objects.put(f"{self.prefix}/epoch-{epoch:08d}", record, if_absent=True)
 
 
 def superseded(written_by: int | None, step: int, claims: list[Claim]) -> bool:

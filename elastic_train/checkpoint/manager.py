@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from elastic_train.errors import (
     CheckpointMismatchError,
     CheckpointWriteError,
     ElasticTrainError,
+    StorageError,
 )
 from elastic_train.observe.event_schema import (
     CheckpointDeleted,
@@ -72,7 +73,7 @@ class Restored:
     """The checkpoint every rank loaded."""
 
     step: int
-    path: Path
+    path: Path | str
     world_size: int | None
     seconds: float
 
@@ -87,8 +88,11 @@ class CheckpointManager:
 
     def __init__(self, store: CheckpointStore, group: Group, policy: CheckpointConfig,
                  events: EventLog, meta: Mapping[str, Any] | None = None,
-                 fence: WriterFence | None = None) -> None:
+                 fence: WriterFence | None = None,
+                 on_commit: Callable[[], None] | None = None) -> None:
         self.store = store
+        self.on_commit = on_commit
+        """Called after each checkpoint is committed (an object store's logs follow it)."""
         self.fence = fence
         self.epoch: int | None = None
         """This world's writer epoch (fence.py), claimed by rank 0 at the restore."""
@@ -162,10 +166,13 @@ class CheckpointManager:
         model = objects["model"]
         decision: dict[str, Any] | None = None
         if self.group.rank == 0:
-            decision = self._choose(tensor_shapes(model.state_dict()))
-            if self.fence is not None and "error" not in decision:
-                decision["epoch"] = self.fence.claim(decision["step"],
-                                                     str(self.meta.get("run_id")))
+            try:
+                decision = self._choose(tensor_shapes(model.state_dict()))
+                if self.fence is not None and "error" not in decision:
+                    decision["epoch"] = self.fence.claim(decision["step"],
+                                                         str(self.meta.get("run_id")))
+            except StorageError as exc:  # every rank fails with the same line
+                decision = {"error": f"cannot restore from {self.store.root}: {exc}"}
         decision = distributed.broadcast_json(self.group, decision)
         self.epoch = decision.get("epoch")
         if "error" in decision:
@@ -174,10 +181,10 @@ class CheckpointManager:
         if decision["step"] is None:
             distributed.barrier(self.group)
             return None
-        path = Path(decision["path"])
+        info = self.store.locate(decision["path"], decision["step"])
+        path = info.path
         failure: ElasticTrainError | None = None
         try:
-            info = CheckpointInfo(path, decision["step"], None)
             map_location = self.group.device if self.group.device.type == "cuda" else "cpu"
             payload = self.store.load(info, map_location=map_location)
             for name, obj in objects.items():
@@ -373,10 +380,17 @@ class CheckpointManager:
             self.events.emit(CheckpointFenced(step=step, epoch=exc.epoch,
                                               newer_epoch=exc.newer_epoch))
             raise
-        except OSError as exc:
+        except (OSError, StorageError) as exc:
+            reason = str(exc) if isinstance(exc, StorageError) else exc.strerror or str(exc)
             self.events.emit(CheckpointFailed(step=step, error=str(exc),
                                               policy=self.policy.on_save_failure))
-            raise CheckpointWriteError(step, self.store.root, exc.strerror or str(exc)) from exc
-        for path in self.store.apply_retention(self.policy.keep, newest=step):
-            self.events.emit(CheckpointDeleted(path=str(path), reason="retention"))
+            raise CheckpointWriteError(step, self.store.root, reason) from exc
+        try:
+            for path in self.store.apply_retention(self.policy.keep, newest=step):
+                self.events.emit(CheckpointDeleted(path=str(path), reason="retention"))
+        except (OSError, StorageError) as exc:  # committed; the older ones go next time
+            log.warning("retention after checkpoint %d did not finish (%s): the older "
+                        "checkpoints are deleted after the next one", step, exc)
+        if self.on_commit is not None:
+            self.on_commit()
         return info

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -114,6 +115,87 @@ class _HashingWriter:
         self._file.flush()
 
 
+@dataclass(frozen=True)
+class Serialized:
+    """A payload serialised once (torch.save), with its checksum: what the memory tier and
+    an object store are given, and what a local write can take instead of the state."""
+
+    data: bytes | memoryview
+    sha256: str
+
+    @property
+    def bytes(self) -> int:
+        return len(self.data)
+
+
+def serialize(payload: Mapping[str, Any]) -> Serialized:
+    """torch.save ``payload`` into memory, hashing as it goes."""
+    buffer = io.BytesIO()
+    writer = _HashingWriter(buffer)  # type: ignore[arg-type]
+    torch.save(dict(payload), writer)
+    return Serialized(buffer.getbuffer(), writer.sha256.hexdigest())
+
+
+def build_manifest(step: int, meta: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]]
+                   ) -> dict[str, Any]:
+    """The manifest of checkpoint ``step``: ``meta``, the format, the files' sizes and
+    sha256, and its own checksum (any edit shows)."""
+    manifest: dict[str, Any] = {
+        **meta,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "time": time.time(),
+        "files": {name: dict(entry) for name, entry in files.items()},
+    }
+    manifest["manifest_sha256"] = _manifest_checksum(manifest)
+    return manifest
+
+
+def manifest_problem(manifest: Any, step: int) -> str | None:
+    """Why a parsed manifest of checkpoint ``step`` is not to be trusted (None: it is)."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return "manifest.json is not an elastic_train manifest"
+    if manifest.get("manifest_sha256") != _manifest_checksum(manifest):
+        return "manifest.json was edited (its checksum does not match)"
+    if manifest.get("step") != step:
+        return f"manifest.json says step {manifest.get('step')}, the directory says {step}"
+    return None
+
+
+def format_problem(manifest: Mapping[str, Any]) -> str | None:
+    """Why a checkpoint of another format version cannot be read (None: it can)."""
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        return (f"format version {version} is not {FORMAT_VERSION} (written by another "
+                "elastic_train version)")
+    return None
+
+
+def load_payload(source: Any, where: object, map_location: str | torch.device
+                 ) -> dict[str, Any]:
+    """torch.load with ``weights_only=True`` (no pickled code ever runs), its failures as
+    our errors naming ``where``."""
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        refused = _refused_global(str(exc))
+        if refused is None:
+            raise CheckpointCorruptError(
+                f"checkpoint {where} is not a readable torch payload; it was not "
+                "loaded") from None
+        raise UnsafeCheckpointError(
+            f"checkpoint {where} holds a pickled {refused} that safe loading refuses to "
+            "run; it was not loaded — delete it if you did not write it") from None
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {where} is not readable on this host: put the run directory "
+            "on storage that every node mounts, or in an object store (s3://)") from None
+    except (RuntimeError, OSError, EOFError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {where} cannot be read ({exc})") \
+            from None
+
+
 def model_digest(model_state: Mapping[str, torch.Tensor]) -> str:
     """sha256 over (name, dtype, shape, bytes) of every tensor, in name order.
 
@@ -175,7 +257,7 @@ class CheckpointStore:
         self.root = Path(root)
 
     # ---- writing -------------------------------------------------------------------------
-    def write(self, step: int, payload: Mapping[str, Any], meta: Mapping[str, Any],
+    def write(self, step: int, payload: Mapping[str, Any] | Serialized, meta: Mapping[str, Any],
               *, fault_hook: Any = None,
               before_commit: Callable[[], None] | None = None) -> CheckpointInfo:
         """Atomically write ``payload`` as checkpoint ``step``; return its info.
@@ -193,26 +275,23 @@ class CheckpointStore:
         try:
             hook("tmp-created")
             with open(tmp / PAYLOAD, "wb") as f:
-                writer = _HashingWriter(f)
-                try:
-                    torch.save(dict(payload), writer)
-                except RuntimeError:
-                    if writer.error is not None:
-                        raise writer.error from None
-                    raise
+                if isinstance(payload, Serialized):
+                    f.write(payload.data)
+                    entry = {"bytes": payload.bytes, "sha256": payload.sha256}
+                else:
+                    writer = _HashingWriter(f)
+                    try:
+                        torch.save(dict(payload), writer)
+                    except RuntimeError:
+                        if writer.error is not None:
+                            raise writer.error from None
+                        raise
+                    entry = {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
                 hook("payload-written")
                 f.flush()
                 os.fsync(f.fileno())
             hook("payload-synced")
-            manifest: dict[str, Any] = {
-                **meta,
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "step": step,
-                "time": time.time(),
-                "files": {PAYLOAD: {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}},
-            }
-            manifest["manifest_sha256"] = _manifest_checksum(manifest)
+            manifest = build_manifest(step, meta, {PAYLOAD: entry})
             with open(tmp / MANIFEST, "w") as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
                 f.flush()
@@ -268,15 +347,9 @@ class CheckpointStore:
             return CheckpointInfo(path, step, None, "manifest.json is missing")
         except (OSError, ValueError) as exc:
             return CheckpointInfo(path, step, None, f"manifest.json is unreadable ({exc})")
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            return CheckpointInfo(path, step, None, "manifest.json is not an elastic_train "
-                                  "manifest")
-        if manifest.get("manifest_sha256") != _manifest_checksum(manifest):
-            return CheckpointInfo(path, step, None, "manifest.json was edited (its checksum "
-                                  "does not match)")
-        if manifest.get("step") != step:
-            return CheckpointInfo(path, step, None, f"manifest.json says step "
-                                  f"{manifest.get('step')}, the directory says {step}")
+        problem = manifest_problem(manifest, step)
+        if problem is not None:
+            return CheckpointInfo(path, step, None, problem)
         return CheckpointInfo(path, step, manifest)
 
     def list(self) -> list[CheckpointInfo]:
@@ -288,10 +361,9 @@ class CheckpointStore:
         """Check the manifest, the format version and every payload file's size and sha256."""
         if info.manifest is None:
             return Verdict(info, False, info.problem)
-        version = info.manifest.get("format_version")
-        if version != FORMAT_VERSION:
-            return Verdict(info, False, f"format version {version} is not {FORMAT_VERSION} "
-                           "(written by another elastic_train version)")
+        problem = format_problem(info.manifest)
+        if problem is not None:
+            return Verdict(info, False, problem)
         checked = 0
         for name, expected in info.manifest["files"].items():
             path = info.path / name
@@ -309,25 +381,11 @@ class CheckpointStore:
     def load(self, info: CheckpointInfo, map_location: str | torch.device = "cpu"
              ) -> dict[str, Any]:
         """Read the payload with ``weights_only=True``: no pickled code ever runs."""
-        path = info.path / PAYLOAD
-        try:
-            return torch.load(path, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            refused = _refused_global(str(exc))
-            if refused is None:
-                raise CheckpointCorruptError(
-                    f"checkpoint {info.path} is not a readable torch payload; it was not "
-                    "loaded") from None
-            raise UnsafeCheckpointError(
-                f"checkpoint {info.path} holds a pickled {refused} that safe loading refuses to "
-                "run; it was not loaded — delete it if you did not write it") from None
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"checkpoint {info.path} is not readable on this host: put the run directory "
-                "on storage that every node mounts") from None
-        except (RuntimeError, OSError, EOFError) as exc:
-            raise CheckpointCorruptError(f"checkpoint {info.path} cannot be read ({exc})") \
-                from None
+        return load_payload(info.path / PAYLOAD, info.path, map_location)
+
+    def locate(self, path: str, step: int) -> CheckpointInfo:
+        """A checkpoint chosen elsewhere (rank 0's decision), by its path."""
+        return CheckpointInfo(Path(path), step, None)
 
     # ---- housekeeping --------------------------------------------------------------------
     def leftovers(self) -> list[Path]:

@@ -322,14 +322,18 @@ class Report:
     image_path: Path | None
 
 
-def write_report(run_dir: Path, output: Path | None = None, run_id: str | None = None,
+def write_report(run_dir: Path | RunDir, output: Path | None = None, run_id: str | None = None,
                  plot: bool = True) -> Report:
-    """Write ``report.png`` and ``report.txt`` (default: into ``run_dir``)."""
-    log = RunDir(run_dir).events
+    """Write ``report.png`` and ``report.txt`` (default: into ``run_dir``, or for an
+    object store into this host's local directory of it)."""
+    layout = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    log = layout.gathered_events()
     if not log.is_file():
         raise ReportError(f"{log} does not exist: pass the --run-dir of a job")
+    if layout.remote and log.stat().st_size == 0:
+        raise ReportError(f"{layout.location} has no event log: pass the --run-dir of a job")
     line = timeline(read_events(log), run_id)
-    image = Path(output) if output is not None else Path(run_dir) / "report.png"
+    image = Path(output) if output is not None else layout.root / "report.png"
     if plot:
         render(line, image)
     text = "\n".join(summary_lines(line)) + "\n"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_train.config import StorageConfig
 from elastic_train.rundir import RunDir
 from elastic_train.worker.determinism import make_deterministic
 from elastic_train.worker.distributed import Group, init_group
@@ -36,7 +37,8 @@ class WorkerPlace:
 
 def place_worker(env: WorkerEnv, run_dir: str | Path, *, recovery: str, backend: str,
                  timeout_seconds: float, restart_spelling: str, deterministic: bool = False,
-                 own_process: bool = False) -> WorkerPlace:
+                 own_process: bool = False, storage: StorageConfig | None = None
+                 ) -> WorkerPlace:
     """Step 1 (see the module). ``restart_spelling``: how this entry point spells restart
     recovery, for the line that says live recovery needs our agent. ``own_process``: the
     process is ours (the built-in job), named after its rank even where a user's would keep
@@ -48,7 +50,7 @@ def place_worker(env: WorkerEnv, run_dir: str | Path, *, recovery: str, backend:
         env = live.env
     if live is not None or own_process:
         name_process(env.rank)
-    layout = RunDir(run_dir)
+    layout = RunDir(run_dir, storage)
     if env.rank == 0:
         layout.prepare()
     return WorkerPlace(env, live, layout)

@@ -28,9 +28,7 @@ from typing import Any
 
 import torch
 
-from elastic_train.checkpoint.fence import WriterFence
 from elastic_train.checkpoint.manager import CheckpointManager, Restored, Stateful
-from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig, RecoveryMode
 from elastic_train.errors import LiveRecoveryError
 from elastic_train.observe.event_schema import (
@@ -49,7 +47,7 @@ from elastic_train.observe.events import (
     PreviousIncarnation,
     previous_incarnation,
 )
-from elastic_train.rundir import RunDir
+from elastic_train.rundir import Publisher, RunDir
 from elastic_train.worker import aborts, distributed
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
@@ -128,10 +126,15 @@ class WorkerRuntime:
         self.env = env
         self.group = group
         self.events = EventLog(run_dir.events, enabled=group.rank == 0, observers=observers)
-        self.checkpoints = CheckpointManager(CheckpointStore(run_dir.checkpoints), group,
+        self.publisher = Publisher(run_dir)
+        """Uploads this worker's logs of an object-store run directory (rundir.py)."""
+        if group.rank == 0:
+            self.publisher.track(run_dir.events)
+        self.checkpoints = CheckpointManager(run_dir.checkpoint_store(), group,
                                              policy, self.events,
                                              dict(meta or {"run_id": env.run_id}),
-                                             fence=WriterFence(run_dir.writers))
+                                             fence=run_dir.writer_fence(),
+                                             on_commit=self.publisher.publish_now)
         self.save_failure = SaveFailureStop(self.checkpoints, group, self.events,
                                             env.restart_count, save_failure_option)
         self.preemption = StopRequest(preemption_budget) \
@@ -167,7 +170,7 @@ class WorkerRuntime:
         Raises ``CheckpointStopError`` when the agent restarted a job the save-failure
         policy stopped.
         """
-        previous = (previous_incarnation(self.run_dir.events, self.env.run_id)
+        previous = (previous_incarnation(self.run_dir.gathered_events(), self.env.run_id)
                     if self.group.rank == 0 else None)
         self.events.emit(Start(run_id=self.env.run_id, restart=self.env.restart_count,
                                world_size=self.group.world_size, total_steps=total_steps,
@@ -396,6 +399,7 @@ class WorkerRuntime:
             return NoWatchdog()
         events_file = self.run_dir.events
         restart = self.env.restart_count
+        publisher = self.publisher
 
         def report(finding: dict[str, Any]) -> None:
             # Any rank may find the hang (rank 0 may be the stuck one): append directly.
@@ -403,6 +407,8 @@ class WorkerRuntime:
             log_.emit(Hang(restart=restart,
                            finding={k: v for k, v in finding.items() if k != "message"}))
             log_.close()
+            publisher.track(events_file)
+            publisher.publish_now()
             print(f"elastic_train: error: {finding['message']}", file=sys.stderr, flush=True)
 
         store = distributed.default_store() if self.group.world_size > 1 else None
@@ -508,6 +514,7 @@ class WorkerRuntime:
         if self.live is not None:
             self.live.close()
         self.events.close()
+        self.publisher.close()
 
     def raise_if_node_stopped(self) -> None:
         """After a stop: a node whose workers got no signal raises ``NodeStoppedError``."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 import sys
 import time
 import types
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Mapping, Sized
 from pathlib import Path
 from typing import Any, overload
 
@@ -53,7 +53,14 @@ from torch.utils.data import DataLoader
 
 from elastic_train.checkpoint.export import check_weights_file, write_weights
 from elastic_train.checkpoint.manager import CheckpointManager, Stateful
-from elastic_train.config import CheckpointConfig, RecoveryMode, check_session_options
+from elastic_train.config import (
+    CheckpointConfig,
+    RecoveryMode,
+    StorageConfig,
+    check_session_options,
+    run_location,
+    storage_from_options,
+)
 from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.observe.event_schema import Step
 from elastic_train.observe.events import EventLog
@@ -124,7 +131,8 @@ class ElasticSession:
                  seed: int = 0, backend: str = "auto", timeout_seconds: float = 120.0,
                  preemption_budget: float | None = 25.0, on_save_failure: str = "continue",
                  deterministic: bool = False, recovery: str = RecoveryMode.LIVE,
-                 step_timeout: float | None = None, env: WorkerEnv | None = None) -> None:
+                 step_timeout: float | None = None, env: WorkerEnv | None = None,
+                 storage: Mapping[str, Any] | StorageConfig | None = None) -> None:
         """``preemption_budget``: seconds a SIGTERM'd job has to checkpoint and exit (keep
         it below the grace period, 30 s on Kubernetes); None leaves SIGTERM to Python.
         ``on_save_failure``: ``continue`` (train on, keep the last good checkpoint, warn)
@@ -136,18 +144,24 @@ class ElasticSession:
         a completed step after which a rank is named as hung (a stopped process, a wedged
         collective) and killed where it runs on this host, so that the world re-forms
         (live recovery) or the job restarts, instead of waiting out ``timeout_seconds``;
-        None (the default): no step watchdog (the built-in job's ``--step-timeout``)."""
+        None (the default): no step watchdog (the built-in job's ``--step-timeout``).
+        ``run_dir`` may be ``s3://BUCKET/PREFIX``; ``storage``: how to reach it (the keys of
+        ``--storage-opt``, e.g. ``{"endpoint_url": ...}``); credentials come from ``AWS_*``
+        variables or profiles (docs/object-storage.md)."""
         check_session_options(checkpoint_every=checkpoint_every,
                               preemption_budget=preemption_budget,
                               on_save_failure=on_save_failure, recovery=recovery,
                               step_timeout=step_timeout)
+        if not isinstance(storage, StorageConfig):
+            storage = storage_from_options([f"{k}={v}" for k, v in (storage or {}).items()])
         place = place_worker(env or read_worker_env(), run_dir, recovery=recovery,
+                             storage=storage,
                              backend=backend, timeout_seconds=timeout_seconds,
                              restart_spelling='ElasticSession(..., recovery="restart")',
                              deterministic=deterministic)
         self.live = place.live
         env = place.env
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_location(run_dir)
         self.seed = seed
         layout = place.run_dir
         group = join_world(place, backend, timeout_seconds)

@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
         place = place_worker(env, config.run_dir, recovery=d.recovery, backend=d.backend,
                              timeout_seconds=d.timeout_seconds,
                              restart_spelling="--recovery restart",
-                             deterministic=config.train.deterministic, own_process=True)
+                             deterministic=config.train.deterministic, own_process=True,
+                             storage=config.storage)
         env, live = place.env, place.live
         log_handler = _setup_logging(env.rank)
         endpoint = serve_worker_metrics(config, env)

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.checkpoint.manager import Restored
 from elastic_train.config import JobConfig
-from elastic_train.errors import ConfigError
+from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.observe.event_schema import BatchPlan as BatchPlanEvent
 from elastic_train.observe.event_schema import Startup, Step
 from elastic_train.observe.events import EventObserver, read_events
@@ -136,7 +136,7 @@ class Trainer:
             if group.rank == 0 else None
         if self.progress is not None:
             observers = [*observers, self.progress.observe]
-        self.run_dir = RunDir(config.run_dir)
+        self.run_dir = RunDir(config.run_dir, config.storage)
         meta = {"task": cfg.task, "task_options": dict(cfg.task_options),
                 "run_id": env.run_id, "batch_size": cfg.batch_size}
         self.runtime = WorkerRuntime(
@@ -235,6 +235,7 @@ class Trainer:
             path = self.run_dir.samples_of(self.group.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._samples_file = open(path, "a", buffering=1)
+            self.runtime.publisher.track(path)
         self._samples_file.write(json.dumps({
             "time": round(time.time(), 6), "step": step, "epoch": epoch,
             "offset": offset,
@@ -430,7 +431,12 @@ class Trainer:
         self.events.close()
         if self.group.rank != 0 or self.progress is None:
             return None
-        summary = summarize(read_events(self.run_dir.events), self.env.run_id)
+        try:
+            self.runtime.publisher.publish_now()
+            events = self.run_dir.gathered_events()  # every node's, for an object store
+        except ElasticTrainError:
+            events = self.run_dir.events
+        summary = summarize(read_events(events), self.env.run_id)
         for line in summary.lines():
             self._print(line)
         self.progress.close()

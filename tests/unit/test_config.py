@@ -227,7 +227,7 @@ def test_to_dict_round_trips_through_a_json_config_file(tmp_path: Path) -> None:
         "--task-opt", "preset=tiny", "--task-opt", "dropout=0.1"])
     data = original.to_dict()
     assert data["run_dir"] == str(tmp_path / "run")
-    assert set(data) == {"run_dir", "train", "checkpoint", "distributed", "metrics"}
+    assert set(data) == {"run_dir", "train", "checkpoint", "distributed", "metrics", "storage"}
     path = _write(tmp_path / "saved.json", json.dumps(data))
     assert parse_job_args(["--config", str(path)]) == original
     # The defaults round-trip too (every_seconds is None there).
@@ -255,7 +255,7 @@ def test_unknown_top_level_config_key_with_hint(tmp_path: Path) -> None:
     path = _write(tmp_path / "job.toml", "[trian]\nsteps = 3\n")
     assert _error(["--config", str(path)]) == (
         f"unknown config key 'trian' (did you mean 'train'?): remove it from {path}; "
-        "known: run_dir, train, checkpoint, distributed, metrics")
+        "known: run_dir, train, checkpoint, distributed, metrics, storage")
 
 
 def test_unknown_config_key_in_a_section_with_hint(tmp_path: Path) -> None:
