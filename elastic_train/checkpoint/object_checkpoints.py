@@ -48,6 +48,8 @@ from elastic_train.checkpoint.storage import (
 from elastic_train.errors import CheckpointCorruptError, StorageError
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_PAYLOAD = re.compile(r"/step-\d{8,}/state-[0-9a-f]{12}\.pt$")
+"""A payload this store wrote: the only objects housekeeping ever deletes."""
 
 
 class ObjectPath(str):
@@ -238,35 +240,39 @@ class ObjectCheckpointStore:
 
     # ---- housekeeping --------------------------------------------------------------------
     def _leftover_objects(self) -> list[Listed]:
-        """Objects of saves that did not commit: steps without a manifest, payloads their
-        step's manifest does not name."""
+        """Payloads of saves that did not commit: in steps without a manifest, or not named
+        by their step's manifest. Objects of other names are not ours: never touched."""
         stray = []
         for name, objects in self._dirs().items():
             if not _STEP_DIR.match(name):
                 continue
             manifest = next((o for o in objects if o.key.endswith("/" + MANIFEST)), None)
             if manifest is None:
-                stray.extend(objects)
+                stray.extend(o for o in objects if _PAYLOAD.search(o.key))
                 continue
             info = self._read_manifest(name, int(name[5:]), tuple(objects))
             if info.manifest is None:
                 continue  # a broken checkpoint: restore sets it aside, bytes kept
             named = {self._key(name, n) for n in info.manifest["files"]} | {manifest.key}
-            stray.extend(o for o in objects if o.key not in named)
+            stray.extend(o for o in objects if o.key not in named and _PAYLOAD.search(o.key))
         return stray
+
+    def _incomplete_uploads(self) -> list[tuple[str, str]]:
+        return [(key, upload) for key, upload in
+                self.objects.incomplete_uploads(self.prefix + "/") if _PAYLOAD.search(key)]
 
     def leftovers(self) -> list[ObjectPath]:
         """Objects and incomplete uploads of saves that did not finish."""
         found = [ObjectPath(f"s3://{self.objects.location.bucket}/{o.key}")
                  for o in self._leftover_objects()]
         found += [ObjectPath(f"s3://{self.objects.location.bucket}/{key} (incomplete upload)")
-                  for key, _ in self.objects.incomplete_uploads(self.prefix + "/")]
+                  for key, _ in self._incomplete_uploads()]
         return found
 
     def remove_leftovers(self) -> list[ObjectPath]:
         """Delete the leftovers (only when no save of this run can be in flight)."""
         stray = self._leftover_objects()
-        uploads = self.objects.incomplete_uploads(self.prefix + "/")
+        uploads = self._incomplete_uploads()
         self.objects.delete([o.key for o in stray])
         for key, upload_id in uploads:
             self.objects.abort_upload(key, upload_id)
