@@ -27,6 +27,7 @@ The protocol is live/memory_tier.py's; the workers' client is worker/memory_tier
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -36,12 +37,14 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from elastic_train.agent.environment import set_for_workers
 from elastic_train.errors import ElasticTrainError
+from elastic_train.live.environment import MEMORY_TIER
 from elastic_train.live.memory_tier import (
     AUTHORIZATION,
     BEARER,
@@ -64,7 +67,8 @@ from elastic_train.live.memory_tier import (
     same_snapshot,
 )
 
-__all__ = ["DEFAULT_MAX_BYTES", "SnapshotHolder", "holder_address", "parse_size"]
+__all__ = ["DEFAULT_MAX_BYTES", "SnapshotHolder", "held_for_workers", "holder_address",
+           "parse_size"]
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +168,7 @@ class SnapshotHolder:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{port}"
         self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.2},
+                                        kwargs={"poll_interval": 0.1},
                                         name="memory-tier-holder", daemon=True)
         self._thread.start()
         return self
@@ -501,3 +505,19 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(chunk)
             left -= len(chunk)
 
+
+
+@contextlib.contextmanager
+def held_for_workers(bind_host: str, advertised_host: str, run_id: str | None,
+                     max_bytes: int) -> Iterator[SnapshotHolder]:
+    """This agent's holder, serving until the block ends; its url and token reach the
+    workers it starts (``live.environment.MEMORY_TIER``, agent/environment.py)."""
+    holder = SnapshotHolder(bind_host, advertised_host, run_id=run_id, max_bytes=max_bytes)
+    holder.start()
+    try:
+        set_for_workers(MEMORY_TIER, holder.endpoint.to_json())
+        log.info("memory tier: this agent holds the newest snapshot at %s (up to %d bytes)",
+                 holder.url, max_bytes)
+        yield holder
+    finally:
+        holder.close()

@@ -206,7 +206,10 @@ def call(endpoint: Endpoint, method: str, path: str, body: bytes | bytearray | m
         sent = {AUTHORIZATION: BEARER + endpoint.token, **(headers or {})}
         if body is not None:
             sent["Content-Length"] = str(len(body))
-        conn.request(method, path, body=body, headers=sent)
+        try:
+            conn.request(method, path, body=body, headers=sent)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the body was read (too large): its answer may be there
         answer = conn.getresponse()
         names = {k.lower(): v for k, v in answer.getheaders()}
         if stream and answer.status == 200:
