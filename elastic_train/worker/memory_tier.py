@@ -42,6 +42,9 @@ IO_SECONDS = 15.0
 """How long one read or write may take: the holder answers an offer after its copy to a
 peer (a dead peer costs it about 1 s) and ``newest`` after asking its peers (at most 3.5 s);
 a payload moves in many reads, each bounded."""
+COPY_RATE = 100e6
+"""Bytes per second a holder's copy to its peer is given, on top of ``IO_SECONDS``, before
+an offer stops waiting for its answer (the copy is made before the holder answers)."""
 
 
 class MemoryTierClient:
@@ -84,7 +87,8 @@ class MemoryTierClient:
                                   "(--memory-tier-limit): only the durable store has it")
         answer = self._call("PUT", SNAPSHOT_PATH, payload,
                             {MANIFEST_HEADER: encode_manifest(checked),
-                             "Content-Type": "application/octet-stream"})
+                             "Content-Type": "application/octet-stream"},
+                            IO_SECONDS + len(payload) / COPY_RATE)
         if answer.status != 200:
             raise self._refused(answer, f"did not take step {checked['step']}")
         data = answer.json()
@@ -131,10 +135,11 @@ class MemoryTierClient:
             raise MemoryTierError(f"memory tier: {exc}: a caller's bug") from None
 
     def _call(self, method: str, path: str, body: bytes | bytearray | memoryview | None = None,
-              headers: Mapping[str, str] | None = None) -> Response:
+              headers: Mapping[str, str] | None = None, io_seconds: float = IO_SECONDS
+              ) -> Response:
         try:
             return call(self.endpoint, method, path, body, headers,
-                        connect_seconds=CONNECT_SECONDS, io_seconds=IO_SECONDS)
+                        connect_seconds=CONNECT_SECONDS, io_seconds=io_seconds)
         except (OSError, http.client.HTTPException) as exc:
             raise MemoryTierError(f"memory tier: the agent's holder at {self.endpoint.url} "
                                   f"did not answer ({type(exc).__name__}: {exc}): its agent "
