@@ -83,6 +83,11 @@ class NodeStoppedError(ElasticTrainError):
     exit_code = 75  # EX_TEMPFAIL: the agent restarts the workers
 
 
+class MemoryTierError(CheckpointError):
+    """The memory tier (the agents' snapshot holders, worker/memory_tier.py) could not take
+    or give a snapshot: the caller goes on with the durable store."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's files do not match its manifest (torn write, bit rot, edits)."""
 

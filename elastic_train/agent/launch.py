@@ -1,7 +1,8 @@
 """``elastic-train run``: torch's elastic agent in-process, with our defaults and a pre-flight.
 
 Launcher options are torchrun's, every one of them (agent/launch_options.py, which also settles
-whose defaults apply), plus ``--worker-start`` and ``--hot-spare``; given a script (or
+whose defaults apply), plus ``--worker-start``, ``--hot-spare``, ``--peer-timeout`` and
+``--memory-tier`` (agent/snapshot_holder.py); given a script (or
 ``-m MODULE``), every worker runs it (worker/script_worker.py); else everything after the launcher
 options is a job option for ``elastic_train.train``, checked here before any process
 starts so that bad input fails in a second with one line instead of after every restart is
@@ -17,6 +18,7 @@ starts first, so that it imports torch while this process does (agent/worker_sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -24,7 +26,8 @@ import os
 import shutil
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from elastic_train.agent.failure_detector import INTERVAL as PING_INTERVAL
 from elastic_train.agent.failure_detector import MIN_TIMEOUT as MIN_PEER_TIMEOUT
@@ -35,6 +38,7 @@ from elastic_train.agent.launch_options import (
     refused_line,
     resolve,
 )
+from elastic_train.agent.snapshot_holder import DEFAULT_MAX_BYTES, parse_size
 from elastic_train.agent.worker_start import worker_processes, workers_released_on_close
 from elastic_train.config import JobConfig, RecoveryMode, parse_job_args
 from elastic_train.errors import ConfigError, ElasticTrainError
@@ -47,6 +51,9 @@ from elastic_train.rendezvous.config import (
 from elastic_train.rendezvous.failures import rendezvous_failure_line
 from elastic_train.rundir import RunDir
 from elastic_train.worker.env import read_worker_env
+
+if TYPE_CHECKING:
+    from elastic_train.agent.snapshot_holder import SnapshotHolder
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +93,28 @@ def launcher_parser(prog: str = "elastic-train run") -> argparse.ArgumentParser:
                         f"lost (the agents' failure detector; default {PEER_TIMEOUT:g}; a few "
                         "seconds on hosts that stall, 0: off, silent nodes are then seen at "
                         "their lease or heartbeat expiry)")
+    p.add_argument("--memory-tier", choices=("on", "off"), default="on",
+                   help="on (default): each agent keeps the newest checkpoint its workers "
+                        "offer in memory, and a copy of it on one other node's agent, so a "
+                        "restart of every worker restores from memory; it costs each agent "
+                        "about one checkpoint's bytes of host memory (two while a new one "
+                        "arrives), and the node that saves sends each checkpoint once more "
+                        "over the network; off: none")
+    p.add_argument("--memory-tier-limit", type=memory_tier_limit, default=DEFAULT_MAX_BYTES,
+                   metavar="SIZE",
+                   help="the largest checkpoint the agents keep in memory (bytes, or with "
+                        "K, M, G, T; default 16G): a larger one goes to the run directory "
+                        "only")
     apply_pet_defaults(p)
     return p
+
+
+def memory_tier_limit(text: str) -> int:
+    """``--memory-tier-limit``: a size (snapshot_holder.parse_size)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def peer_timeout(text: str) -> float:
@@ -235,11 +262,12 @@ def first_failure_line(exc: BaseException) -> str:
 
 def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
             recovery: str = RecoveryMode.LIVE, script: Sequence[str] = (), hot_spare: bool = False,
-            peer_seconds: float = PEER_TIMEOUT) -> None:
+            peer_seconds: float = PEER_TIMEOUT, memory_tier: int | None = None) -> None:
     """Run the elastic agent in this process until the job ends (``recovery``: the job's
     --recovery; agent/live_agent.py; a script's ElasticSession chooses for itself; ``hot_spare``:
     --hot-spare, for the built-in job under live recovery: live/spare.py; ``peer_seconds``:
-    --peer-timeout, agent/failure_detector.py)."""
+    --peer-timeout, agent/failure_detector.py; ``memory_tier``: the largest snapshot the
+    agent's holder keeps, None: --memory-tier off, agent/snapshot_holder.py)."""
 
     from elastic_train.agent.live_agent import live_agent_installed
     from elastic_train.agent.store_binding import node_store_host, rendezvous_store_on_loopback
@@ -253,9 +281,28 @@ def _launch(args: argparse.Namespace, job_args: Sequence[str], worker_start: str
         join_timeout = 600.0  # torch's handler refuses it itself
     min_nodes = int(str(args.nnodes).split(":")[0]) if str(args.nnodes).split(":")[0] \
         .isdigit() else 1
-    with live_agent_installed(recovery, listen_host, spare, peer_seconds, join_timeout,
-                              min_nodes), rendezvous_store_on_loopback():
+    with memory_tier_holder(args, memory_tier) as holder, \
+            live_agent_installed(recovery, listen_host, spare, peer_seconds, join_timeout,
+                                 min_nodes, holder), rendezvous_store_on_loopback():
         _launch_agent(args, job_args, worker_start, script)
+
+
+@contextlib.contextmanager
+def memory_tier_holder(args: argparse.Namespace, max_bytes: int | None
+                       ) -> Iterator[SnapshotHolder | None]:
+    """This agent's snapshot holder for the job's life (None: ``--memory-tier off``),
+    listening where the agent talks to the job's other nodes (``holder_address``)."""
+    if max_bytes is None:
+        yield None
+        return
+    from elastic_train.agent.snapshot_holder import held_for_workers, holder_address
+    from elastic_train.rendezvous.config import single_node
+
+    endpoint = (args.rdzv_endpoint or "").split(",")[0].split("://")[-1]
+    host = endpoint.rpartition(":")[0] if ":" in endpoint else endpoint
+    bind, advertised = holder_address(single_node(args.nnodes), args.local_addr, host or None)
+    with held_for_workers(bind, advertised, args.rdzv_id, max_bytes) as holder:
+        yield holder
 
 
 def _launch_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start: str,
@@ -428,7 +475,7 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
         _launch(args, job_args, ns.worker_start,
                 config.distributed.recovery if config is not None else RecoveryMode.LIVE,
                 (["-m"] if ns.module else []) + list(script), ns.hot_spare == "on",
-                ns.peer_timeout)
+                ns.peer_timeout, ns.memory_tier_limit if ns.memory_tier == "on" else None)
     except SignalException as exc:
         # The agent passed the signal to the workers, which checkpointed and exited 0.
         # Non-zero here so that a restart policy brings a preempted node back.

@@ -57,9 +57,11 @@ from torch.distributed.elastic.agent.server.api import (
 
 from elastic_train.agent.exit_watch import ExitWatch
 from elastic_train.agent.failure_detector import TIMEOUT as DETECTOR_TIMEOUT
+from elastic_train.agent.holder_directory import HolderDirectory
 from elastic_train.agent.job_store import ACROSS_NODES, job_store
 from elastic_train.agent.live_node import LiveNode
 from elastic_train.agent.live_options import C10D_JOIN_TIMEOUT, LiveOptions
+from elastic_train.agent.snapshot_holder import SnapshotHolder
 from elastic_train.agent.store_watch import end_if_store_lost
 from elastic_train.agent.torch_seams import TorchAgent, agent_class_replaced
 from elastic_train.agent.wake import Wakeup
@@ -99,6 +101,9 @@ class LiveRecoveryAgent(TorchAgent):
         self._interval, spec.monitor_interval = spec.monitor_interval, 0.0
         self._wake = Wakeup()
         self._exits = ExitWatch(self._wake.event)  # a worker's death wakes the loop too
+        self._holders = HolderDirectory(self.options.memory_tier) \
+            if self.options.memory_tier is not None else None
+        """Where this agent's snapshot holder finds the others' (agent/holder_directory.py)."""
         self._loop_at = 0.0
         """When the monitor loop last ran (a thread tells from it whether the loop is stuck
         in torch's c10d handler)."""
@@ -149,6 +154,9 @@ class LiveRecoveryAgent(TorchAgent):
 
     # ---- starting: the first generation of a rendezvous round ------------------------------
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._holders is not None:  # torch's ranks of the round, before a plan's
+            self._holders.publish(worker_group.store, worker_group.group_rank or 0,
+                                  worker_group.group_world_size or 1)
         why_not = self._live_possible(worker_group)
         if why_not is not None:
             if self.options.recovery == RecoveryMode.LIVE and not self._said_why_not:
@@ -212,6 +220,8 @@ class LiveRecoveryAgent(TorchAgent):
     # ---- re-forming within a round ----------------------------------------------------------
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._loop_at = time.monotonic()
+        if self._holders is not None:
+            self._holders.refresh()
         woken = self._wake.wait(self._interval)  # what woke it is read below (keys stay set)
         workers = self.process_context
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
@@ -348,11 +358,11 @@ class LiveRecoveryAgent(TorchAgent):
 @contextlib.contextmanager
 def live_agent_installed(recovery: str, listen_host: str | None = None,
                          hot_spare: bool = False, peer_timeout: float = DETECTOR_TIMEOUT,
-                         store_lost_seconds: float = C10D_JOIN_TIMEOUT, min_nodes: int = 1
-                         ) -> Iterator[None]:
+                         store_lost_seconds: float = C10D_JOIN_TIMEOUT, min_nodes: int = 1,
+                         memory_tier: SnapshotHolder | None = None) -> Iterator[None]:
     """Make torch's launcher run ``LiveRecoveryAgent`` (for ``elastic-train run``), each
     agent built with these options (no option lives on the class)."""
     options = LiveOptions(recovery, listen_host, hot_spare, peer_timeout, store_lost_seconds,
-                          min_nodes)
+                          min_nodes, memory_tier)
     with agent_class_replaced(functools.partial(LiveRecoveryAgent, options=options)):
         yield

@@ -4,9 +4,13 @@ agent by the factory that agent/live_agent.live_agent_installed gives torch's la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastic_train.agent.failure_detector import TIMEOUT as DETECTOR_TIMEOUT
 from elastic_train.config import RecoveryMode
+
+if TYPE_CHECKING:
+    from elastic_train.agent.snapshot_holder import SnapshotHolder
 
 C10D_JOIN_TIMEOUT = 600.0
 """torch's default ``join_timeout`` of the c10d rendezvous."""
@@ -35,3 +39,6 @@ class LiveOptions:
     min_nodes: int = 1
     """The job's minimum of nodes (``--nnodes MIN:MAX``): a world is never re-formed in
     place with fewer."""
+    memory_tier: SnapshotHolder | None = None
+    """This agent's snapshot holder (agent/snapshot_holder.py; ``--memory-tier``), which
+    the agent publishes to the others after each rendezvous round; None: off."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["LIVE_GENERATION", "LIVE_RECOVERY", "LIVE_STORE", "RENDEZVOUS_SECONDS",
-           "WORKER_ENV_FILE", "read_env_file"]
+__all__ = ["LIVE_GENERATION", "LIVE_RECOVERY", "LIVE_STORE", "MEMORY_TIER",
+           "RENDEZVOUS_SECONDS", "WORKER_ENV_FILE", "read_env_file"]
 
 # Set by the agent for its workers (agent/environment.py). How long their rendezvous took,
 # after each one (rendezvous/timing.py, rendezvous/handler.py):
@@ -25,6 +25,10 @@ LIVE_GENERATION = "ELASTIC_TRAIN_LIVE_GENERATION"
 # HOST:PORT of the store the agent keeps for its workers' process groups under live recovery
 # (it outlives any worker, rank 0 included):
 LIVE_STORE = "ELASTIC_TRAIN_LIVE_STORE"
+# The memory tier of checkpoints (live/memory_tier.py): JSON {"url", "token", "max_bytes"}
+# of the snapshot holder of the worker's own agent (agent/snapshot_holder.py); absent when
+# there is none (--memory-tier off, plain torchrun, no agent):
+MEMORY_TIER = "ELASTIC_TRAIN_MEMORY_TIER"
 
 
 def read_env_file(path: str) -> dict[str, str]:

@@ -7,7 +7,8 @@ Two loops share one protocol: ``trainer`` (the built-in job, entrypoint ``train`
 ``live_world`` (the worker's side of live recovery), ``sampler`` and ``batching`` (exactly-
 once data at any world size), ``preemption``, ``save_failure`` and ``watchdog`` (how a
 step ends early), ``seeding`` and ``determinism``, ``env`` (what torchrun tells a worker),
-``script_worker`` (a user's script run by our agent).
+``script_worker`` (a user's script run by our agent), ``memory_tier`` (the agent's
+snapshot holder, for the checkpoint manager).
 
 Imports nothing from ``elastic_train.agent`` (tests/unit/test_package_rules.py).
 """

@@ -15,6 +15,7 @@ from elastic_train.live.environment import (
     LIVE_GENERATION,
     LIVE_RECOVERY,
     LIVE_STORE,
+    MEMORY_TIER,
     RENDEZVOUS_SECONDS,
     WORKER_ENV_FILE,
     read_env_file,
@@ -49,6 +50,9 @@ class WorkerEnv:
     """Non-zero: this worker was started again into generation N of a running world."""
     live_store: str | None = None
     """HOST:PORT of the agent's store for live recovery."""
+    memory_tier: str | None = None
+    """JSON of the agent's snapshot holder (live/memory_tier.py's ``Endpoint``); None: no
+    memory tier (--memory-tier off, plain torchrun)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -105,4 +109,5 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         live_recovery=env.get(LIVE_RECOVERY) == "1",
         live_generation=_int(env, LIVE_GENERATION, 0),
         live_store=env.get(LIVE_STORE) or None,
+        memory_tier=env.get(MEMORY_TIER) or None,
     )

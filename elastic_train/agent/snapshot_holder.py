@@ -1,0 +1,523 @@
+"""The memory tier of checkpoints, the agent's side: a snapshot holder per agent.
+
+An HTTP server (stdlib ``ThreadingHTTPServer``, one thread per request) that keeps the
+newest snapshot of the run in this agent's memory, as opaque bytes and a JSON manifest:
+nothing is ever unpickled here. The agent outlives its workers, so when every worker dies
+(the restart path) the next incarnation restores from here instead of the run directory.
+The protocol is live/memory_tier.py's; the workers' client is worker/memory_tier.py.
+
+- **Bounded memory**: one snapshot per run, the newest by ``(writer_epoch, step)`` (an
+  older one is refused, 409; the newest of the previous writer epoch is not kept), so a
+  holder costs about one payload, plus the one arriving while it is checked (sha256 and
+  length, before it replaces the held one), plus one being sent to a reader that started
+  before a replacement. A payload over ``max_bytes`` is refused (413) before it is read.
+- **Two nodes**: a snapshot a worker offers is copied to one other agent's holder before the
+  holder answers (``replica_order``: the next agent of the rendezvous round on another host,
+  else on this one; one more is tried if that one fails). The answer says how many copies
+  are held (1 or 2) and where. Peers come from the rendezvous store
+  (agent/holder_directory.py).
+- **Bounded waits**: a peer is called with a 1 s connect timeout (a host that is gone costs
+  that, a dead agent refuses at once) and is skipped for ``PEER_DOWN_SECONDS`` after a
+  failure; reads and writes time out after ``IO_SECONDS`` each.
+- **Every request carries the holder's bearer token** (random per holder,
+  ``secrets.token_urlsafe``); a wrong one is refused (401) and nothing is kept.
+- It listens on the address the agent uses for the job (``holder_address``), on a port
+  the kernel picks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from elastic_train.agent.environment import set_for_workers
+from elastic_train.errors import ElasticTrainError
+from elastic_train.live.environment import MEMORY_TIER
+from elastic_train.live.memory_tier import (
+    AUTHORIZATION,
+    BEARER,
+    MANIFEST_HEADER,
+    MAX_MANIFEST_BYTES,
+    NEWEST_PATH,
+    PAYLOAD_PATH,
+    REPLICA_HEADER,
+    SNAPSHOT_PATH,
+    Endpoint,
+    HolderEntry,
+    Response,
+    call,
+    check_manifest,
+    encode_manifest,
+    is_newer,
+    newest_of,
+    payload_query,
+    replica_order,
+    same_snapshot,
+)
+
+__all__ = ["DEFAULT_MAX_BYTES", "SnapshotHolder", "held_for_workers", "holder_address",
+           "parse_size"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 16 * 1024 ** 3
+"""The largest payload a holder takes by default (``--memory-tier-limit``)."""
+CONNECT_SECONDS = 1.0
+"""How long a peer holder may take to accept a connection."""
+IO_SECONDS = 10.0
+"""How long one read or write to a peer (or from a client) may take."""
+NEWEST_SECONDS = 2.0
+"""How long a peer may take to say what it holds (``GET NEWEST_PATH``)."""
+PEER_DOWN_SECONDS = 5.0
+"""How long a peer that failed a call is skipped."""
+REPLICA_TRIES = 2
+"""Peers tried in turn for the second copy."""
+CHUNK = 1 << 20
+
+
+def parse_size(text: str) -> int:
+    """``--memory-tier-limit``: bytes, or a number with K, M, G or T (powers of 1024)."""
+    units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = units.get(value[-1:], 1)
+    number = value[:-1] if value[-1:] in units else value
+    try:
+        size = int(float(number) * scale)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"{text!r}: give a size in bytes, or with K, M, G or T (e.g. 16G)")
+    return size
+
+
+def holder_address(single_node: bool, local_addr: str | None, endpoint_host: str | None
+                   ) -> tuple[str, str]:
+    """``(address to listen on, address the other agents reach it at)``: loopback for a
+    job of one node; across nodes the address of the interface that holds ``--local-addr``
+    or, without one, that this host reaches the rendezvous endpoint by (network.py, the
+    interface the workers advertise); where neither tells, every interface (as the agent's
+    own store listens then) reached at ``--local-addr`` or this host's name."""
+    from elastic_train.network import worker_interface
+
+    if single_node:
+        return "127.0.0.1", "127.0.0.1"
+    try:
+        interface = worker_interface(local_addr, endpoint_host)
+    except ElasticTrainError:
+        interface = None
+    if interface is not None:
+        return interface.address, interface.address
+    return "", local_addr or socket.getfqdn()
+
+
+@dataclass
+class _Held:
+    manifest: dict[str, Any]
+    payload: bytearray  # never changed once held
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = False
+
+    def __init__(self, address: tuple[str, int], holder: SnapshotHolder) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.holder = holder
+        super().__init__(address, _Handler)
+
+
+class SnapshotHolder:
+    """One agent's snapshot holder (see the module). ``start`` serves it, ``close`` stops
+    it; ``set_peers`` tells it the other agents' holders."""
+
+    def __init__(self, bind_host: str = "127.0.0.1", advertised_host: str | None = None, *,
+                 run_id: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 token: str | None = None) -> None:
+        self.bind_host = bind_host
+        self.host = advertised_host or bind_host or socket.getfqdn()
+        """The host the other agents reach this holder at (its peers prefer other hosts)."""
+        self.run_id = run_id
+        """The run whose snapshots it keeps (another's are refused); None: any run."""
+        self.max_bytes = max_bytes
+        self.token = token or secrets.token_urlsafe(32)
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+        self._peers: list[HolderEntry] = []
+        self._down_until: dict[str, float] = {}
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+        """``http://HOST:PORT`` once started."""
+
+    # ---- life ------------------------------------------------------------------------------
+    def start(self) -> SnapshotHolder:
+        self._server = _Server((self.bind_host, 0), self)
+        port = self._server.server_address[1]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{port}"
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": 0.1},
+                                        name="memory-tier-holder", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving and let go of what is held."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        with self._lock:
+            self._held.clear()
+
+    def __enter__(self) -> SnapshotHolder:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """What this agent's workers are told (``live.environment.MEMORY_TIER``)."""
+        return Endpoint(self.url, self.token, self.max_bytes)
+
+    def entry(self, rank: int) -> HolderEntry:
+        """What this agent publishes for the others, as group rank ``rank``."""
+        return HolderEntry(self.url, self.token, self.host, rank)
+
+    def set_peers(self, entries: Sequence[HolderEntry]) -> None:
+        """The holders of the round's agents (this one's entry may be among them)."""
+        order = replica_order(self.url, self.host, entries)
+        with self._lock:
+            self._peers = order
+
+    @property
+    def peers(self) -> list[HolderEntry]:
+        with self._lock:
+            return list(self._peers)
+
+    def held(self, run_id: str) -> dict[str, Any] | None:
+        """The manifest of what this holder keeps for ``run_id``."""
+        with self._lock:
+            found = self._held.get(run_id)
+            return dict(found.manifest) if found is not None else None
+
+    # ---- what the handler does ---------------------------------------------------------
+    def authorized(self, header: str | None) -> bool:
+        given = header[len(BEARER):] if header and header.startswith(BEARER) else ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def refusal(self, manifest: Mapping[str, Any]) -> tuple[int, str] | None:
+        """Why a PUT of ``manifest`` is refused before its body is read (None: it is not)."""
+        if self.run_id is not None and manifest["run_id"] != self.run_id:
+            return 409, (f"this holder keeps run {self.run_id!r}'s snapshots, not "
+                         f"{manifest['run_id']!r}'s")
+        if manifest["bytes"] > self.max_bytes:
+            return 413, (f"a payload of {manifest['bytes']} bytes is over this holder's "
+                         f"limit of {self.max_bytes} (--memory-tier-limit)")
+        held = self.held(manifest["run_id"])
+        if not is_newer(manifest, held):
+            assert held is not None
+            return 409, (f"a newer snapshot is held (writer epoch {held['writer_epoch']}, "
+                         f"step {held['step']})")
+        return None
+
+    def keep(self, manifest: dict[str, Any], payload: bytearray) -> bool:
+        """Keep ``payload`` (checked already) unless a newer one arrived meanwhile."""
+        with self._lock:
+            held = self._held.get(manifest["run_id"])
+            if not is_newer(manifest, held.manifest if held is not None else None):
+                return False
+            self._held[manifest["run_id"]] = _Held(manifest, payload)
+        log.debug("memory tier: holding step %d (writer epoch %d, %d bytes)",
+                  manifest["step"], manifest["writer_epoch"], len(payload))
+        return True
+
+    def replicate(self, manifest: Mapping[str, Any], payload: bytearray) -> list[str]:
+        """Copy the snapshot to one peer holder (the first of ``replica_order`` that takes
+        it); the urls it is now held at besides this one."""
+        tried = 0
+        for peer in self._live_peers():
+            if tried == REPLICA_TRIES:
+                break
+            tried += 1
+            try:
+                answer = call(Endpoint(peer.url, peer.token), "PUT", SNAPSHOT_PATH, payload,
+                              {MANIFEST_HEADER: encode_manifest(manifest), REPLICA_HEADER: "1",
+                               "Content-Type": "application/octet-stream"},
+                              connect_seconds=CONNECT_SECONDS, io_seconds=IO_SECONDS)
+            except OSError as exc:
+                self._mark_down(peer.url)
+                log.warning("memory tier: the holder at %s (%s) did not take a copy of step "
+                            "%s: %s", peer.url, peer.host, manifest["step"], exc)
+                continue
+            if answer.status == 200:
+                return [peer.url]
+            log.warning("memory tier: the holder at %s refused a copy of step %s (%d: %s)",
+                        peer.url, manifest["step"], answer.status, _error_of(answer))
+        return []
+
+    def newest(self, run_id: str, ask_peers: bool) -> tuple[dict[str, Any] | None, list[str]]:
+        """The newest manifest of ``run_id`` held here or (``ask_peers``) by a peer, and
+        the urls that hold it."""
+        found: list[tuple[str, dict[str, Any] | None]] = [(self.url, self.held(run_id))]
+        if ask_peers:
+            found += self._ask_peers(run_id)
+        best = newest_of(m for _, m in found)
+        if best is None:
+            return None, []
+        return best, [url for url, m in found if m is not None and same_snapshot(m, best)]
+
+    def local_payload(self, wanted: Mapping[str, Any]) -> bytearray | None:
+        with self._lock:
+            held = self._held.get(wanted["run_id"])
+        if held is None or not same_snapshot(held.manifest, wanted):
+            return None
+        return held.payload
+
+    def peer_payload(self, wanted: Mapping[str, Any]) -> Response | None:
+        """A peer's answer with the payload ``wanted`` still to read (None: no peer has it)."""
+        for peer in self._live_peers():
+            try:
+                answer = call(Endpoint(peer.url, peer.token), "GET",
+                              payload_query(wanted, peers=False),
+                              connect_seconds=CONNECT_SECONDS, io_seconds=IO_SECONDS,
+                              stream=True)
+            except OSError:
+                self._mark_down(peer.url)
+                continue
+            if answer.status == 200:
+                return answer
+        return None
+
+    # ---- peers -----------------------------------------------------------------------------
+    def _live_peers(self) -> list[HolderEntry]:
+        now = time.monotonic()
+        with self._lock:
+            return [p for p in self._peers if self._down_until.get(p.url, 0.0) <= now]
+
+    def _mark_down(self, url: str) -> None:
+        with self._lock:
+            self._down_until[url] = time.monotonic() + PEER_DOWN_SECONDS
+
+    def _ask_peers(self, run_id: str) -> list[tuple[str, dict[str, Any] | None]]:
+        """What each live peer holds for ``run_id``, asked at once (bounded)."""
+        answers: list[tuple[str, dict[str, Any] | None]] = []
+        lock = threading.Lock()
+        path = NEWEST_PATH + "?" + urllib.parse.urlencode({"run_id": run_id, "peers": 0})
+
+        def ask(peer: HolderEntry) -> None:
+            try:
+                answer = call(Endpoint(peer.url, peer.token), "GET", path,
+                              connect_seconds=CONNECT_SECONDS, io_seconds=NEWEST_SECONDS)
+                manifest = check_manifest(answer.json()["manifest"]) \
+                    if answer.status == 200 and answer.json().get("manifest") else None
+            except (OSError, ValueError, KeyError, AttributeError):
+                self._mark_down(peer.url)
+                return
+            with lock:
+                answers.append((peer.url, manifest))
+
+        threads = [threading.Thread(target=ask, args=(p,), daemon=True)
+                   for p in self._live_peers()]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + CONNECT_SECONDS + NEWEST_SECONDS + 0.5
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        with lock:
+            return list(answers)
+
+
+def _error_of(answer: Response) -> str:
+    try:
+        return str(answer.json().get("error", ""))
+    except (ValueError, AttributeError):
+        return answer.body[:200].decode(errors="replace")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "elastic-train-memory-tier"
+    protocol_version = "HTTP/1.0"
+    timeout = IO_SECONDS
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("memory tier: %s %s", self.address_string(), format % args)
+
+    # ---- answers ---------------------------------------------------------------------------
+    def _answer(self, status: int, payload: Mapping[str, Any]) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _refuse(self, status: int, line: str, body_left: int = 0) -> None:
+        """Answer ``status`` with ``line``; a body of at most the limit is read and dropped
+        first, so the client reads the answer rather than a reset connection."""
+        if 0 < body_left <= self.server.holder.max_bytes:
+            self._drain(body_left)
+        self._answer(status, {"error": line})
+
+    def _drain(self, left: int) -> None:
+        while left > 0:
+            chunk = self.rfile.read(min(CHUNK, left))
+            if not chunk:
+                return
+            left -= len(chunk)
+
+    def _query(self) -> tuple[str, dict[str, str]]:
+        parsed = urllib.parse.urlsplit(self.path)
+        return parsed.path, dict(urllib.parse.parse_qsl(parsed.query))
+
+    def _length(self) -> int:
+        try:
+            return max(0, int(self.headers.get("Content-Length", "")))
+        except ValueError:
+            return -1
+
+    # ---- requests --------------------------------------------------------------------------
+    def do_PUT(self) -> None:
+        holder = self.server.holder
+        path, _ = self._query()
+        length = self._length()
+        if not holder.authorized(self.headers.get(AUTHORIZATION)):
+            self._refuse(401, "wrong or missing bearer token", length)
+            return
+        if path != SNAPSHOT_PATH:
+            self._refuse(404, f"no {path} here (PUT {SNAPSHOT_PATH})", length)
+            return
+        raw = self.headers.get(MANIFEST_HEADER, "")
+        try:
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise ValueError(f"the manifest is over {MAX_MANIFEST_BYTES} bytes")
+            manifest = check_manifest(json.loads(raw or "null"))
+        except ValueError as exc:
+            self._refuse(400, f"{MANIFEST_HEADER}: {exc}", length)
+            return
+        if length != manifest["bytes"]:
+            self._refuse(400, f"Content-Length {length} is not the manifest's "
+                              f"{manifest['bytes']} bytes", length)
+            return
+        refused = holder.refusal(manifest)
+        if refused is not None:
+            self._refuse(*refused, length)
+            return
+        payload = bytearray(length)
+        view, got = memoryview(payload), 0
+        while got < length:
+            n = self.rfile.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        if got != length:
+            self._answer(400, {"error": f"the body ended after {got} of {length} bytes"})
+            return
+        if hashlib.sha256(payload).hexdigest() != manifest["sha256"]:
+            self._answer(400, {"error": "the payload's sha256 is not the manifest's: "
+                                        "corrupt in transit or in the sender's memory"})
+            return
+        if not holder.keep(manifest, payload):
+            self._answer(409, {"error": "a newer snapshot arrived meanwhile"})
+            return
+        held_by = [holder.url]
+        if self.headers.get(REPLICA_HEADER) != "1":
+            held_by += holder.replicate(manifest, payload)
+        self._answer(200, {"copies": len(held_by), "held_by": held_by,
+                           "manifest": manifest})
+
+    def do_GET(self) -> None:
+        holder = self.server.holder
+        if not holder.authorized(self.headers.get(AUTHORIZATION)):
+            self._answer(401, {"error": "wrong or missing bearer token"})
+            return
+        path, query = self._query()
+        ask_peers = query.get("peers") == "1"
+        run_id = query.get("run_id", "")
+        if not run_id:
+            self._answer(400, {"error": "give run_id"})
+        elif path == NEWEST_PATH:
+            manifest, held_by = holder.newest(run_id, ask_peers)
+            self._answer(200, {"manifest": manifest, "held_by": held_by})
+        elif path == PAYLOAD_PATH:
+            self._payload(query, ask_peers)
+        else:
+            self._answer(404, {"error": f"no {path} here"})
+
+    def _payload(self, query: Mapping[str, str], ask_peers: bool) -> None:
+        holder = self.server.holder
+        try:
+            wanted = {"run_id": query["run_id"], "writer_epoch": int(query["writer_epoch"]),
+                      "step": int(query["step"]), "sha256": query["sha256"]}
+        except (KeyError, ValueError):
+            self._answer(400, {"error": "give run_id, writer_epoch, step and sha256"})
+            return
+        local = holder.local_payload(wanted)
+        if local is not None:
+            self._send_bytes(local)
+            return
+        answer = holder.peer_payload(wanted) if ask_peers else None
+        if answer is None:
+            self._answer(404, {"error": f"no holder keeps step {wanted['step']} (writer "
+                                        f"epoch {wanted['writer_epoch']}) of this run"})
+            return
+        try:
+            self._relay(answer)
+        finally:
+            answer.close()
+
+    def _send_bytes(self, payload: bytearray) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        view = memoryview(payload)
+        for start in range(0, len(payload), CHUNK):
+            self.wfile.write(view[start:start + CHUNK])
+
+    def _relay(self, answer: Response) -> None:
+        """Send a peer's payload on as it arrives (never all of it in memory here)."""
+        assert answer.stream is not None
+        length = int(answer.headers.get("content-length", "0"))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        left = length
+        while left > 0:
+            chunk = answer.stream.read(min(CHUNK, left))
+            if not chunk:  # the peer went away: the client sees a short body
+                return
+            self.wfile.write(chunk)
+            left -= len(chunk)
+
+
+
+@contextlib.contextmanager
+def held_for_workers(bind_host: str, advertised_host: str, run_id: str | None,
+                     max_bytes: int) -> Iterator[SnapshotHolder]:
+    """This agent's holder, serving until the block ends; its url and token reach the
+    workers it starts (``live.environment.MEMORY_TIER``, agent/environment.py)."""
+    holder = SnapshotHolder(bind_host, advertised_host, run_id=run_id, max_bytes=max_bytes)
+    holder.start()
+    try:
+        set_for_workers(MEMORY_TIER, holder.endpoint.to_json())
+        log.info("memory tier: this agent holds the newest snapshot at %s (up to %d bytes)",
+                 holder.url, max_bytes)
+        yield holder
+    finally:
+        holder.close()

@@ -1,0 +1,270 @@
+"""The memory tier of checkpoints: the contract's pure parts (live/memory_tier.py), real
+snapshot holders on loopback (agent/snapshot_holder.py, in-process threads), the worker's
+client (worker/memory_tier.py) and the agents' directory in a round's store
+(agent/holder_directory.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from elastic_train.agent import snapshot_holder
+from elastic_train.agent.holder_directory import HolderDirectory
+from elastic_train.agent.snapshot_holder import SnapshotHolder, holder_address, parse_size
+from elastic_train.errors import MemoryTierError
+from elastic_train.live.environment import MEMORY_TIER, WORKER_ENV_FILE
+from elastic_train.live.memory_tier import (
+    HOLDER_KEY,
+    MANIFEST_HEADER,
+    SNAPSHOT_PATH,
+    Endpoint,
+    HolderEntry,
+    call,
+    check_manifest,
+    encode_manifest,
+    is_newer,
+    newest_of,
+    replica_order,
+)
+from elastic_train.worker.memory_tier import MemoryTierClient
+from tests.memory_store import MemoryStore
+
+RUN = "job-1"
+
+
+def snapshot(step: int, epoch: int = 1, size: int = 4096) -> tuple[dict[str, object], bytes]:
+    payload = (f"{epoch}:{step}:".encode() * size)[:size]
+    return {"run_id": RUN, "writer_epoch": epoch, "step": step,
+            "sha256": hashlib.sha256(payload).hexdigest(), "bytes": size}, payload
+
+
+@pytest.fixture
+def holders() -> Iterator[list[SnapshotHolder]]:
+    """Two holders of run RUN on loopback, each the other's peer (as on two hosts)."""
+    a = SnapshotHolder("127.0.0.1", run_id=RUN).start()
+    b = SnapshotHolder("127.0.0.1", run_id=RUN).start()
+    entries = [HolderEntry(a.url, a.token, "host-a", 0), HolderEntry(b.url, b.token, "host-b", 1)]
+    a.host, b.host = "host-a", "host-b"
+    a.set_peers(entries)
+    b.set_peers(entries)
+    yield [a, b]
+    a.close()
+    b.close()
+
+
+def client(holder: SnapshotHolder) -> MemoryTierClient:
+    return MemoryTierClient(holder.endpoint, RUN)
+
+
+# ---- the contract's pure parts -------------------------------------------------------------
+def test_the_newest_is_by_writer_epoch_then_step() -> None:
+    old, new_epoch = snapshot(50, epoch=1)[0], snapshot(3, epoch=2)[0]
+    assert is_newer(new_epoch, old) and not is_newer(old, new_epoch)
+    assert is_newer(old, None) and is_newer(old, old)  # the same step saved again replaces
+    assert newest_of([None, old, new_epoch, snapshot(49)[0]]) == new_epoch
+    assert newest_of([None]) is None
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"step": -1}, "step"), ({"bytes": "9"}, "bytes"), ({"sha256": "AB"}, "sha256"),
+    ({"run_id": ""}, "run_id"), ({"writer_epoch": True}, "writer_epoch"),
+    ({"note": "x" * 20000}, "over"),
+])
+def test_a_bad_manifest_is_refused_saying_what(change: dict[str, object], said: str) -> None:
+    with pytest.raises(ValueError, match=said):
+        check_manifest({**snapshot(1)[0], **change})
+    with pytest.raises(ValueError, match="lacks sha256"):
+        check_manifest({k: v for k, v in snapshot(1)[0].items() if k != "sha256"})
+
+
+def test_the_copy_goes_to_the_next_agent_on_another_host_first() -> None:
+    entries = [HolderEntry(f"http://h{r}", "t", host, r)
+               for r, host in enumerate(["x", "x", "y", "x", "z"])]
+    order = [e.rank for e in replica_order("http://h1", "x", entries)]
+    assert order == [2, 4, 3, 0]  # the ring from rank 2: other hosts first, then this one
+    assert [e.rank for e in replica_order("http://h4", "z", entries)] == [0, 1, 2, 3]
+    assert replica_order("http://h0", "x", entries[:1]) == []  # alone: no copy
+
+
+def test_sizes_and_endpoints_read_back() -> None:
+    assert parse_size("16G") == 16 * 1024 ** 3 and parse_size("1500") == 1500
+    assert parse_size("2MiB") == 2 * 1024 ** 2
+    for bad in ("0", "-1G", "lots"):
+        with pytest.raises(ValueError, match="give a size"):
+            parse_size(bad)
+    endpoint = Endpoint("http://127.0.0.1:1", "tok", 10)
+    assert Endpoint.from_json(endpoint.to_json()) == endpoint
+    with pytest.raises(ValueError):
+        Endpoint.from_json('{"url": "ftp://x", "token": "t"}')
+    assert holder_address(True, None, None) == ("127.0.0.1", "127.0.0.1")
+    assert holder_address(False, "127.0.0.1", "127.0.0.1")[0] == "127.0.0.1"
+
+
+def test_the_client_is_none_without_an_agent_and_reads_the_agents_file(tmp_path) -> None:
+    assert MemoryTierClient.from_env({"TORCHELASTIC_RUN_ID": RUN}) is None
+    endpoint = Endpoint("http://127.0.0.1:9", "tok", 5)
+    found = MemoryTierClient.from_env({MEMORY_TIER: endpoint.to_json(),
+                                       "TORCHELASTIC_RUN_ID": RUN})
+    assert found is not None and found.endpoint == endpoint and found.run_id == RUN
+    late = tmp_path / "env.json"  # a forked worker learns it from the agent's file
+    late.write_text(json.dumps({MEMORY_TIER: endpoint.to_json()}))
+    found = MemoryTierClient.from_env({WORKER_ENV_FILE: str(late), "TORCHELASTIC_RUN_ID": RUN})
+    assert found is not None and found.endpoint == endpoint
+    with pytest.raises(MemoryTierError, match="holds no holder"):
+        MemoryTierClient.from_env({MEMORY_TIER: "{}"})
+
+
+# ---- real holders ------------------------------------------------------------------------
+def test_an_offer_is_held_on_two_nodes_and_answers_two_copies(holders) -> None:
+    a, b = holders
+    manifest, payload = snapshot(5)
+    worker = client(a)
+    assert worker.offer(manifest, payload) == 2
+    assert worker.held_by == [a.url, b.url]
+    assert a.held(RUN) == manifest and b.held(RUN) == manifest
+    assert worker.newest() == manifest and worker.fetch(manifest) == payload
+
+
+def test_a_newer_snapshot_replaces_the_held_one_and_an_older_is_refused(holders) -> None:
+    a, b = holders
+    worker = client(a)
+    first, second = snapshot(5), snapshot(10)
+    worker.offer(*first)
+    worker.offer(*second)
+    assert a.held(RUN) == second[0] and b.held(RUN) == second[0]
+    with pytest.raises(MemoryTierError, match="no step 5"):
+        worker.fetch(first[0])  # one snapshot per run: the older one is gone
+    with pytest.raises(MemoryTierError, match="newer snapshot is held"):
+        worker.offer(*snapshot(7))  # a stale world's snapshot does not overwrite
+    assert worker.offer(*snapshot(1, epoch=2)) == 2  # a newer writer epoch does
+    with pytest.raises(MemoryTierError, match="keeps run"):
+        other, payload = snapshot(1, epoch=3)
+        del other["run_id"]  # the client's own run fills it in
+        MemoryTierClient(a.endpoint, "other-run").offer(other, payload)
+
+
+def test_newest_and_fetch_come_through_the_own_agent_from_a_peer(holders) -> None:
+    """The bytes are held only by the other holder (say, on the node whose workers
+    saved): a worker of this node asks its own agent, which asks and relays."""
+    a, b = holders
+    manifest, payload = snapshot(8, size=3 * 1024 * 1024 + 17)  # over one relayed chunk
+    b.set_peers([])  # b keeps its one copy
+    assert client(b).offer(manifest, payload) == 1
+    assert a.held(RUN) is None
+    here = client(a)
+    assert here.newest() == manifest
+    assert here.fetch(manifest) == payload
+    assert a.held(RUN) is None  # relayed, not kept
+
+
+def test_a_wrong_token_is_refused_and_nothing_is_kept(holders) -> None:
+    a, _ = holders
+    manifest, payload = snapshot(5)
+    answer = call(Endpoint(a.url, "not-the-token"), "PUT", SNAPSHOT_PATH, payload,
+                  {MANIFEST_HEADER: encode_manifest(manifest)})
+    assert answer.status == 401
+    assert call(Endpoint(a.url, ""), "GET", f"/v1/newest?run_id={RUN}").status == 401
+    with pytest.raises(MemoryTierError, match="401"):
+        MemoryTierClient(Endpoint(a.url, "wrong"), RUN).offer(manifest, payload)
+    assert a.held(RUN) is None
+
+
+def test_a_corrupt_payload_is_refused(holders) -> None:
+    a, b = holders
+    manifest, payload = snapshot(5)
+    bad = bytearray(payload)
+    bad[100] ^= 1
+    with pytest.raises(MemoryTierError, match="sha256"):
+        client(a).offer(manifest, bad)
+    short = call(a.endpoint, "PUT", SNAPSHOT_PATH, payload[:-1],
+                 {MANIFEST_HEADER: encode_manifest(manifest)})
+    assert short.status == 400 and b"Content-Length" in short.body
+    assert a.held(RUN) is None and b.held(RUN) is None
+
+
+def test_fetch_checks_the_bytes_against_the_manifest(holders) -> None:
+    a, _ = holders
+    manifest, payload = snapshot(5)
+    client(a).offer(manifest, payload)
+    with pytest.raises(MemoryTierError, match="has no step"):
+        client(a).fetch({**manifest, "sha256": "0" * 64})
+
+
+def test_a_killed_peer_leaves_one_copy_answered_at_once(holders) -> None:
+    a, b = holders
+    b.close()
+    worker = client(a)
+    started = time.monotonic()
+    assert worker.offer(*snapshot(5)) == 1
+    assert worker.newest() == snapshot(5)[0]
+    assert time.monotonic() - started < 2.0
+    assert worker.held_by == [a.url]
+
+
+def test_a_frozen_peer_costs_a_bounded_wait(holders, monkeypatch) -> None:
+    """A peer whose host accepts connections but never answers (a frozen agent)."""
+    a, _ = holders
+    monkeypatch.setattr(snapshot_holder, "IO_SECONDS", 0.5)
+    monkeypatch.setattr(snapshot_holder, "NEWEST_SECONDS", 0.5)
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as frozen:
+        url = f"http://127.0.0.1:{frozen.getsockname()[1]}"
+        a.set_peers([HolderEntry(url, "t", "host-c", 1)])
+        started = time.monotonic()
+        assert client(a).offer(*snapshot(5, size=1024)) == 1
+        assert client(a).newest() == snapshot(5, size=1024)[0]  # skipped: it failed just now
+        assert time.monotonic() - started < 3.0
+
+
+def test_a_payload_over_the_limit_is_refused() -> None:
+    with SnapshotHolder("127.0.0.1", run_id=RUN, max_bytes=1000) as holder:
+        manifest, payload = snapshot(5, size=2000)
+        with pytest.raises(MemoryTierError, match="over the holders' limit"):
+            client(holder).offer(manifest, payload)  # the client knows the limit
+        unaware = MemoryTierClient(Endpoint(holder.url, holder.token), RUN)
+        with pytest.raises(MemoryTierError, match=r"413|did not answer"):
+            unaware.offer(manifest, payload)
+        assert holder.held(RUN) is None
+        assert unaware.offer(*snapshot(6, size=1000)) == 1
+
+
+def test_the_agents_find_each_others_holders_in_the_rounds_store(holders) -> None:
+    a, b = holders
+    store = MemoryStore()
+    first, second = HolderDirectory(a), HolderDirectory(b)
+    first.publish(store, 0, 3)  # rank 2 never shows (an agent that died at once)
+    assert a.peers == []
+    second.publish(store, 1, 3)
+    assert [p.url for p in b.peers] == [a.url]
+    first.refresh()
+    assert [p.url for p in a.peers] == [b.url]
+    assert json.loads(store.get(HOLDER_KEY.format(rank=1)))["url"] == b.url
+    assert client(a).offer(*snapshot(5)) == 2
+
+
+def test_a_store_that_cannot_list_leaves_one_copy(holders, caplog) -> None:
+    a, _ = holders
+
+    class Broken(MemoryStore):
+        def set(self, key: str, value: str | bytes) -> None:
+            raise RuntimeError("no such store")
+
+    a.set_peers([])
+    HolderDirectory(a).publish(Broken(), 0, 2)
+    assert "keeps its one copy" in caplog.text
+    assert client(a).offer(*snapshot(5)) == 1
+
+
+def test_the_launcher_takes_the_memory_tier_options() -> None:
+    from elastic_train.agent.launch import launcher_parser
+
+    ns = launcher_parser().parse_args([])
+    assert ns.memory_tier == "on" and ns.memory_tier_limit == 16 * 1024 ** 3
+    ns = launcher_parser().parse_args(["--memory-tier", "off", "--memory-tier-limit", "2G"])
+    assert ns.memory_tier == "off" and ns.memory_tier_limit == 2 * 1024 ** 3
+    with pytest.raises(SystemExit):
+        launcher_parser().parse_args(["--memory-tier-limit", "lots"])
