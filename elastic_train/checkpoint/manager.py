@@ -17,13 +17,14 @@ an event), checks it fits the model, and broadcasts its choice; every rank loads
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,8 +39,11 @@ from elastic_train.checkpoint.snapshot import (
 from elastic_train.checkpoint.storage import (
     CheckpointInfo,
     CheckpointStore,
+    Serialized,
     check_compatible,
+    load_payload,
     model_digest,
+    serialize,
     tensor_shapes,
 )
 from elastic_train.config import CheckpointConfig
@@ -68,6 +72,22 @@ from elastic_train.worker.distributed import Group
 log = logging.getLogger(__name__)
 
 
+class MemoryTier(Protocol):
+    """The agents' memory tier as a checkpoint manager uses it (worker/memory_tier.py)."""
+
+    endpoint: Any
+
+    def offer(self, manifest: Mapping[str, Any], payload: bytes | memoryview) -> int: ...
+
+    def newest(self) -> dict[str, Any] | None: ...
+
+    def fetch(self, manifest: Mapping[str, Any]) -> bytes: ...
+
+
+class _MemoryRestoreFailed(Exception):
+    """A rank could not load the memory tier's snapshot: restore from the run directory."""
+
+
 @dataclass(frozen=True)
 class Restored:
     """The checkpoint every rank loaded."""
@@ -89,8 +109,16 @@ class CheckpointManager:
     def __init__(self, store: CheckpointStore, group: Group, policy: CheckpointConfig,
                  events: EventLog, meta: Mapping[str, Any] | None = None,
                  fence: WriterFence | None = None,
-                 on_commit: Callable[[], None] | None = None) -> None:
+                 on_commit: Callable[[], None] | None = None,
+                 memory: MemoryTier | None = None) -> None:
         self.store = store
+        self.memory = memory
+        """The agents' memory tier (worker/memory_tier.py): the newest snapshot held on two
+        nodes, written before the durable store; None outside ``elastic-train run``."""
+        self._memory_failed = False
+        self.memory_copies: int | None = None
+        """How many agents hold the newest snapshot in memory (None: not offered)."""
+        self.memory_seconds: float | None = None
         self.on_commit = on_commit
         """Called after each checkpoint is committed (an object store's logs follow it)."""
         self.fence = fence
@@ -119,7 +147,36 @@ class CheckpointManager:
         self._guarded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     # ---- restore -------------------------------------------------------------------------
-    def _choose(self, shapes: Mapping[str, list[Any]]) -> dict[str, Any]:
+    def _choose(self, shapes: Mapping[str, list[Any]], use_memory: bool = True
+                ) -> dict[str, Any]:
+        """Rank 0: the newest of the agents' memory snapshot and the newest durable
+        checkpoint that verifies and fits (memory wins a tie), or why there is none."""
+        durable = self._choose_durable(shapes)
+        held = self._held_in_memory() if use_memory and "error" not in durable else None
+        if held is None or (durable.get("step") is not None and held["step"] < durable["step"]):
+            return durable
+        return {"step": held["step"], "path": f"memory of {', '.join(held['held_by'])}",
+                "world_size": held.get("world_size"), "model_digest": held.get("model_digest"),
+                "time": held.get("time"), "memory": held["manifest"]}
+
+    def _held_in_memory(self) -> dict[str, Any] | None:
+        """The memory tier's newest snapshot of this run if no newer world superseded it."""
+        if self.memory is None:
+            return None
+        try:
+            manifest = self.memory.newest()
+        except ElasticTrainError as exc:
+            log.warning("the agents' memory tier did not answer (%s): restoring from %s",
+                        exc, self.store.root)
+            return None
+        if manifest is None:
+            return None
+        claims = self.fence.claims() if self.fence is not None else []
+        if superseded(manifest.get("writer_epoch"), int(manifest["step"]), claims):
+            return None
+        return {**manifest, "manifest": manifest, "held_by": [self.memory.endpoint.url]}
+
+    def _choose_durable(self, shapes: Mapping[str, list[Any]]) -> dict[str, Any]:
         """Rank 0: the newest checkpoint that verifies and fits, or why there is none."""
         for path in self.store.remove_leftovers():
             log.warning("removed %s, left by a save or deletion that did not finish", path)
@@ -161,13 +218,23 @@ class CheckpointManager:
         return {"step": None}
 
     def restore(self, objects: Mapping[str, Stateful]) -> Restored | None:
-        """Load the newest valid checkpoint into ``objects`` on every rank; None if none."""
+        """Load the newest valid checkpoint into ``objects`` on every rank; None if none.
+
+        The agents' memory tier is tried first when it holds a snapshot at least as new
+        as the newest durable checkpoint; if any rank cannot read it, every rank restores
+        from the run directory instead."""
+        try:
+            return self._restore(objects, use_memory=self.memory is not None)
+        except _MemoryRestoreFailed:
+            return self._restore(objects, use_memory=False)
+
+    def _restore(self, objects: Mapping[str, Stateful], use_memory: bool) -> Restored | None:
         started = time.monotonic()
         model = objects["model"]
         decision: dict[str, Any] | None = None
         if self.group.rank == 0:
             try:
-                decision = self._choose(tensor_shapes(model.state_dict()))
+                decision = self._choose(tensor_shapes(model.state_dict()), use_memory)
                 if self.fence is not None and "error" not in decision:
                     decision["epoch"] = self.fence.claim(decision["step"],
                                                          str(self.meta.get("run_id")))
@@ -181,12 +248,20 @@ class CheckpointManager:
         if decision["step"] is None:
             distributed.barrier(self.group)
             return None
-        info = self.store.locate(decision["path"], decision["step"])
-        path = info.path
+        from_memory = decision.get("memory")
+        info = self.store.locate(decision["path"], decision["step"]) if from_memory is None \
+            else None
+        path = decision["path"] if info is None else info.path
         failure: ElasticTrainError | None = None
         try:
             map_location = self.group.device if self.group.device.type == "cuda" else "cpu"
-            payload = self.store.load(info, map_location=map_location)
+            if from_memory is not None:
+                assert self.memory is not None
+                payload = load_payload(io.BytesIO(self.memory.fetch(from_memory)), path,
+                                       map_location)
+            else:
+                assert info is not None
+                payload = self.store.load(info, map_location=map_location)
             for name, obj in objects.items():
                 if name not in payload:
                     raise CheckpointMismatchError(
@@ -200,6 +275,10 @@ class CheckpointManager:
                 f"checkpoint {path} does not fit this job ({str(exc).splitlines()[0]}): use a "
                 "new --run-dir or the options that wrote it; it was left untouched")
         if not distributed.all_true(self.group, failure is None):
+            if from_memory is not None and not isinstance(failure, CheckpointMismatchError):
+                log.warning("restoring from the agents' memory failed (%s): restoring from "
+                            "%s instead", failure or "on another rank", self.store.root)
+                raise _MemoryRestoreFailed()
             raise failure or CheckpointError(
                 f"another rank could not load checkpoint {path}: see its error above")
         self._last_save_time = time.monotonic()
@@ -210,7 +289,9 @@ class CheckpointManager:
                                           saved_world_size=decision.get("world_size"),
                                           saved_time=decision.get("time"),
                                           world_size=self.group.world_size,
-                                          seconds=round(seconds, 6)))
+                                          seconds=round(seconds, 6),
+                                          source="storage" if from_memory is None
+                                          else "memory"))
         return Restored(decision["step"], path, decision.get("world_size"), seconds)
 
     # ---- save ----------------------------------------------------------------------------
@@ -271,7 +352,10 @@ class CheckpointManager:
                 copy_wait_seconds=None if pending is None else round(pending.training_waited, 6),
                 persist_seconds=round(time.monotonic() - began, 6),
                 persist_cpu_seconds=round(time.thread_time() - cpu_began, 6),
-                waited_seconds=round(waited, 6)))
+                waited_seconds=round(waited, 6),
+                memory_copies=self.memory_copies,
+                memory_seconds=None if self.memory_seconds is None
+                else round(self.memory_seconds, 6)))
 
         if wait:
             persist()
@@ -361,6 +445,31 @@ class CheckpointManager:
         if self.fence is not None and self.epoch is not None:
             self.fence.check(self.epoch, step)
 
+    def _offer(self, step: int, payload: Serialized, meta: Mapping[str, Any]) -> None:
+        """Give the agents' memory tier the snapshot before the durable write; a failure
+        is said once per outage and never fails the save."""
+        assert self.memory is not None
+        began = time.monotonic()
+        self.memory_copies = self.memory_seconds = None
+        try:
+            self._check_fence(step)  # a stale world offers nothing either
+        except CheckpointFencedError:
+            return
+        manifest = {"writer_epoch": self.epoch if self.epoch is not None else 0, "step": step,
+                    "sha256": payload.sha256, "bytes": payload.bytes,
+                    "world_size": meta.get("world_size"), "time": time.time(),
+                    "model_digest": meta.get("model_digest")}
+        try:
+            self.memory_copies = self.memory.offer(manifest, payload.data)
+        except ElasticTrainError as exc:
+            if not self._memory_failed:
+                log.warning("the agents' memory tier did not take checkpoint %d (%s): the "
+                            "durable store has it (said once per outage)", step, exc)
+            self._memory_failed = True
+            return
+        self._memory_failed = False
+        self.memory_seconds = time.monotonic() - began
+
     def persist(self, step: int, snapshot: Mapping[str, Any]) -> CheckpointInfo:
         """Write a snapshot atomically, then apply retention (raises CheckpointWriteError)."""
         model_state = snapshot["model"]
@@ -371,8 +480,14 @@ class CheckpointManager:
             "model_digest": model_digest(model_state),
             "model_shapes": tensor_shapes(model_state),
         }
+        payload: Mapping[str, Any] | Serialized = snapshot
+        if self.memory is not None or not isinstance(self.store, CheckpointStore):
+            payload = serialize(snapshot)  # once: for the memory tier and the object store
+        if self.memory is not None:
+            assert isinstance(payload, Serialized)
+            self._offer(step, payload, meta)
         try:
-            info = self.store.write(step, snapshot, meta,
+            info = self.store.write(step, payload, meta,
                                     before_commit=lambda: self._check_fence(step))
         except CheckpointFencedError as exc:
             self.fenced = exc

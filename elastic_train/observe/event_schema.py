@@ -276,6 +276,8 @@ class CheckpointLoaded(EventRecord):
     saved_time: float | None
     world_size: int
     seconds: float
+    source: str = "storage"
+    """``storage`` (the run directory) or ``memory`` (the agents' memory tier)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,7 +286,9 @@ class CheckpointSaved(EventRecord):
 
     event: ClassVar[Event] = Event.CHECKPOINT_SAVED
     omitted_when_none: ClassVar[frozenset[str]] = frozenset({"copy_seconds",
-                                                             "copy_wait_seconds"})
+                                                             "copy_wait_seconds",
+                                                             "memory_copies",
+                                                             "memory_seconds"})
     step: int
     path: str
     reason: str
@@ -297,6 +301,10 @@ class CheckpointSaved(EventRecord):
     persist_seconds: float
     persist_cpu_seconds: float
     waited_seconds: float
+    memory_copies: int | None = None
+    """Agents' memory holding it (the memory tier; None: no tier)."""
+    memory_seconds: float | None = None
+    """From the persist's start until the memory copies were held."""
 
 
 @dataclass(frozen=True, kw_only=True)

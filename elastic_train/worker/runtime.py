@@ -52,6 +52,7 @@ from elastic_train.worker import aborts, distributed
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.live_world import LiveWorld, LostMembers
+from elastic_train.worker.memory_tier import MemoryTierClient
 from elastic_train.worker.preemption import StopRequest, node_stopped
 from elastic_train.worker.save_failure import SaveFailureStop
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
@@ -134,7 +135,8 @@ class WorkerRuntime:
                                              policy, self.events,
                                              dict(meta or {"run_id": env.run_id}),
                                              fence=run_dir.writer_fence(),
-                                             on_commit=self.publisher.publish_now)
+                                             on_commit=self.publisher.publish_now,
+                                             memory=MemoryTierClient.from_env())
         self.save_failure = SaveFailureStop(self.checkpoints, group, self.events,
                                             env.restart_count, save_failure_option)
         self.preemption = StopRequest(preemption_budget) \
