@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e '.[dev,etcd]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,etcd,s3]'
 	touch $@
 
 setup: $(BIN)/.installed

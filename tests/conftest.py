@@ -1,12 +1,13 @@
-"""Shared fixtures: real etcd servers, started once per session when a test asks for one;
-the multi-host test bed (tests/netbed.py); and the guard that keeps tests from finding the
-venv's programs on PATH (tests/tools.py)."""
+"""Shared fixtures: real etcd servers and an S3 endpoint (moto's server), started once per
+session when a test asks for one; the multi-host test bed (tests/netbed.py); and the guard
+that keeps tests from finding the venv's programs on PATH (tests/tools.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from tests import netbed as netbed_module
 from tests import tools
 from tests.etcd_server import EtcdServer
+from tests.s3_server import S3Server
 
 _SHADOW_DIR: Path | None = None
 
@@ -45,6 +47,23 @@ def etcd_v2() -> Iterator[EtcdServer]:
     server = EtcdServer.start(v2=True)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server on a free loopback port, shared by the session (its buckets too: take
+    ``s3_bucket``). A test that freezes or stops a server starts its own (S3Server.start)."""
+    server = S3Server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> tuple[S3Server, str]:
+    """(the session's S3 server, the name of a bucket made for this test alone)."""
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    s3_server.make_bucket(name)
+    return s3_server, name
 
 
 @pytest.fixture

@@ -2,8 +2,10 @@
 
 Supports a kustomization's ``resources`` (files, and directories holding a
 kustomization.yaml), ``namespace``, ``images`` (newName/newTag/digest on every container
-and initContainer, in any kind) and ``patches`` in JSON 6902 form (add, replace, remove,
-test) selected by kind and name. Anything else in a kustomization is refused, so k8s/
+and initContainer, in any kind) and ``patches`` selected by kind and name, either in JSON
+6902 form (add, replace, remove, test) or as the one strategic-merge patch that removes an
+object (``$patch: delete`` naming the target's kind and name, nothing else). Anything else
+in a kustomization is refused, so k8s/
 cannot start using a feature these tests would silently ignore. Where the real tool is
 installed (``kubectl kustomize`` or ``kustomize``), tests/unit/test_k8s.py checks that both
 render the same objects.
@@ -85,16 +87,36 @@ def _apply_patch(docs: list[Doc], patch: Doc, directory: Path) -> None:
         raise KustomizeError(f"patch targets must name kind and/or name: {target}")
     text = patch["patch"] if "patch" in patch else (directory / patch["path"]).read_text()
     ops = yaml.safe_load(text)
-    if not isinstance(ops, list):
-        raise KustomizeError("only JSON 6902 patches (a list of operations) are supported")
     matched = [doc for doc in docs
                if doc["kind"] == target.get("kind", doc["kind"])
                and doc["metadata"]["name"] == target.get("name", doc["metadata"]["name"])]
     if not matched:
         raise KustomizeError(f"patch target {target} matches nothing")
+    if isinstance(ops, dict) and ops.get("$patch") == "delete":
+        _check_delete(ops, matched)
+        for doc in matched:
+            docs.remove(doc)
+        return
+    if not isinstance(ops, list):
+        raise KustomizeError("only JSON 6902 patches (a list of operations) and "
+                             "`$patch: delete` are supported")
     for doc in matched:
         for op in ops:
             _json6902(doc, op)
+
+
+def _check_delete(patch: Doc, matched: list[Doc]) -> None:
+    """A ``$patch: delete`` patch must name exactly the object it deletes: its apiVersion,
+    kind and metadata.name, nothing more (a fuller strategic merge is not supported)."""
+    if set(patch) != {"$patch", "apiVersion", "kind", "metadata"} or \
+            set(patch["metadata"]) != {"name"}:
+        raise KustomizeError(f"a `$patch: delete` patch names apiVersion, kind and "
+                             f"metadata.name only: {sorted(patch)}")
+    for doc in matched:
+        named = (patch["apiVersion"], patch["kind"], patch["metadata"]["name"])
+        if (doc["apiVersion"], doc["kind"], doc["metadata"]["name"]) != named:
+            raise KustomizeError(f"`$patch: delete` of {named} targets {doc['kind']}/"
+                                 f"{doc['metadata']['name']}")
 
 
 def _pointer(path: str) -> list[str]:

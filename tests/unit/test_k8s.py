@@ -2,7 +2,8 @@
 kustomize agree), every object validates strictly (the PyTorchJob and PodMonitor against
 the real CRDs in ../shared/schemas, the built-in kinds against Kubernetes' own schemas),
 the worker command is one our parser accepts, and the PET_* variables the operator would
-set make torchrun pick the intended backend, endpoint and node range."""
+set make torchrun pick the intended backend, endpoint and node range. The object-store
+overlay has no claim and no volume of one: its run_dir is a bucket."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import functools
 import os
 import re
 import subprocess
+import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ import yaml
 from elastic_train.agent.launch import launcher_parser, torchrun_argv
 from elastic_train.agent.launch_options import resolve
 from elastic_train.config import parse_job_args
+from elastic_train.errors import ConfigError
 from elastic_train.rendezvous.config import parse_rdzv_conf
 from elastic_train.rendezvous.options import EtcdV3Options
 from tests import k8s_model, kustomize, tools
@@ -38,7 +42,41 @@ INTENDED = {
     "production": ("etcd-v3", 2, 8, 4, 3, "v3.6"),
     "stock-etcd": ("etcd", 1, 2, 1, 1, "v3.5"),
     "c10d": ("c10d", 1, 2, 1, 0, None),
+    "object-store": ("etcd-v3", 1, 2, 1, 1, "v3.6"),
 }
+# Overlays whose checkpoints live in an object store: their run_dir (the job config's).
+OBJECT_STORE = {"object-store": "s3://elastic-train/runs/elastic-train"}
+# The [storage] keys the storage code reads (the job config's object-store table).
+STORAGE_KEYS = {"endpoint_url", "region", "profile", "addressing_style", "local_dir"}
+LOCAL_DIR = "/var/lib/elastic-train"
+S3_SECRET = "elastic-train-s3"
+
+
+def _config_knows_storage() -> bool:
+    """Whether the job config accepts a [storage] table yet (the storage code adds it)."""
+    with tempfile.TemporaryDirectory() as directory:
+        probe = Path(directory) / "probe.toml"
+        probe.write_text('[storage]\nendpoint_url = "http://probe.example:9000"\n')
+        try:
+            parse_job_args([f"--config={probe}"])
+        except ConfigError:
+            return False
+    return True
+
+
+# Until the job config knows [storage] and s3:// run dirs, the object-store overlay's
+# job.toml cannot parse: those tests are expected to fail with a ConfigError. The mark
+# lifts itself once the config accepts a [storage] table (then they must pass, run_dir
+# kept as the s3:// URL included); strict: a pass while it still applies fails.
+STORAGE_PENDING = pytest.mark.xfail(
+    not _config_knows_storage(), raises=ConfigError, strict=True,
+    reason="the job config does not know the [storage] table yet (the storage code adds it)")
+
+
+def parsing_overlays() -> list[Any]:
+    """OVERLAYS for the tests that parse the job config, object stores marked pending."""
+    return [pytest.param(o, marks=STORAGE_PENDING) if o in OBJECT_STORE else o
+            for o in OVERLAYS]
 
 
 @functools.cache
@@ -89,8 +127,9 @@ def test_every_yaml_file_parses() -> None:
 def test_overlay_renders_and_every_object_validates_strictly(overlay: str) -> None:
     objects = rendered(overlay)
     kinds = sorted(kind for kind, _ in objects)
-    expected = ["ConfigMap", "PersistentVolumeClaim", "PodMonitor", "PrometheusRule",
-                "PyTorchJob"]
+    expected = ["ConfigMap", "PodMonitor", "PrometheusRule", "PyTorchJob"]
+    if overlay not in OBJECT_STORE:
+        expected.append("PersistentVolumeClaim")
     if INTENDED[overlay][4]:
         expected += ["Service", "Service", "StatefulSet"]
     assert kinds == sorted(expected)
@@ -110,6 +149,23 @@ def test_our_renderer_agrees_with_the_real_kustomize(overlay: str) -> None:
     real = kustomize.by_kind_and_name(
         kustomize.render_with_real_tool(K8S / "overlays" / overlay, tool))
     assert rendered(overlay) == real
+
+
+@pytest.mark.parametrize(("patch", "error"), [
+    ("$patch: delete\napiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {name: other}",
+     "targets"),
+    ("$patch: delete\napiVersion: v1\nkind: PersistentVolumeClaim\n"
+     "metadata: {name: elastic-train-checkpoints}\nspec: {}", "names apiVersion"),
+    ("apiVersion: v1\nkind: PersistentVolumeClaim\n"
+     "metadata: {name: elastic-train-checkpoints}\nspec: {}", "only JSON 6902"),
+])
+def test_our_renderer_deletes_only_what_a_delete_patch_names(tmp_path: Path, patch: str,
+                                                             error: str) -> None:
+    target = {"kind": "PersistentVolumeClaim", "name": "elastic-train-checkpoints"}
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [str(K8S / "base")], "patches": [{"target": target, "patch": patch}]}))
+    with pytest.raises(kustomize.KustomizeError, match=error):
+        kustomize.render(tmp_path)
 
 
 @pytest.mark.parametrize(("kind", "path", "field"), [
@@ -154,7 +210,7 @@ def job_toml(objects: dict[tuple[str, str], dict[str, Any]], tmp_path: Path,
     return [f"--config={local}" if a.startswith("--config=") else a for a in args]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", parsing_overlays())
 def test_the_worker_command_and_the_operators_settings_make_the_intended_launch(
         overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed import run as torchrun
@@ -173,7 +229,10 @@ def test_the_worker_command_and_the_operators_settings_make_the_intended_launch(
     ns, job_args = launcher_parser().parse_known_args(container["args"])
     resolve(ns)
     config = parse_job_args(job_toml(objects, tmp_path, job_args), prog="elastic-train run")
-    assert str(config.run_dir).startswith("/checkpoints/")
+    if overlay in OBJECT_STORE:
+        assert str(config.run_dir) == OBJECT_STORE[overlay]
+    else:
+        assert str(config.run_dir).startswith("/checkpoints/")
     assert config.metrics.address == "0.0.0.0"
     launch, _, _ = torchrun.config_from_args(torchrun.parse_args(torchrun_argv(ns, job_args)))
 
@@ -210,7 +269,7 @@ def test_every_worker_has_a_scraped_metrics_port(overlay: str) -> None:
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", parsing_overlays())
 def test_the_grace_period_covers_the_preemption_checkpoint(overlay: str, tmp_path: Path
                                                            ) -> None:
     objects = rendered(overlay)
@@ -225,7 +284,7 @@ def test_the_grace_period_covers_the_preemption_checkpoint(overlay: str, tmp_pat
     assert pod["terminationGracePeriodSeconds"] - ns.shutdown_timeout >= 10
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o not in OBJECT_STORE])
 def test_volumes_and_claims_fit_together(overlay: str) -> None:
     objects = rendered(overlay)
     job = one(objects, "PyTorchJob")
@@ -245,6 +304,74 @@ def test_volumes_and_claims_fit_together(overlay: str) -> None:
     assert multi_node_storage == (overlay == "production")
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+
+
+def pod_volumes(node: Any) -> list[dict[str, Any]]:
+    """Every entry of every ``volumes`` list in an object (its pod templates')."""
+    found: list[dict[str, Any]] = []
+    if isinstance(node, list):
+        for item in node:
+            found += pod_volumes(item)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key == "volumes" and isinstance(value, list):
+                found += [v for v in value if isinstance(v, dict)]
+            else:
+                found += pod_volumes(value)
+    return found
+
+
+@pytest.mark.parametrize("overlay", sorted(OBJECT_STORE))
+def test_an_object_store_overlay_claims_no_volume_for_checkpoints(overlay: str) -> None:
+    objects = rendered(overlay)
+    assert [name for kind, name in objects if kind == "PersistentVolumeClaim"] == []
+    claimed = [(kind, name, v["name"]) for (kind, name), doc in objects.items()
+               for v in pod_volumes(doc) if "persistentVolumeClaim" in v]
+    assert claimed == []
+    # The only storage claimed is etcd's own data (its StatefulSet's claim template).
+    templates = [key for key, doc in objects.items()
+                 if doc.get("spec", {}).get("volumeClaimTemplates")]
+    assert templates == [("StatefulSet", "elastic-train-etcd")]
+
+    job = one(objects, "PyTorchJob")
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    container = k8s_model.training_container(job)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert set(mounts) == set(volumes) == {"job-config", "dshm", "local-files"}
+    # Each pod's own files (event log, sample records) on its node's disk, not in memory.
+    assert set(volumes["local-files"]) == {"name", "emptyDir"}
+    assert "medium" not in volumes["local-files"]["emptyDir"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["ELASTIC_TRAIN_LOCAL_DIR"]["value"] == mounts["local-files"] == LOCAL_DIR
+    # Credentials from the Secret, never a literal in the manifests.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[name] == {"name": name, "valueFrom": {
+            "secretKeyRef": {"name": S3_SECRET, "key": name}}}
+    assert [n for n, e in env.items() if n.startswith("AWS_") and "value" in e] == []
+    # The run dir is the job config's bucket: no --run-dir on the command line.
+    _ns, job_args = launcher_parser().parse_known_args(container["args"])
+    assert [a for a in job_args if a.startswith("--run-dir")] == []
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert f"kubectl create secret generic {S3_SECRET}" in (K8S / "README.md").read_text()
+
+
+@pytest.mark.parametrize("overlay", sorted(OBJECT_STORE))
+def test_an_object_store_job_config_is_the_base_one_with_a_bucket_and_an_endpoint(
+        overlay: str) -> None:
+    config = tomllib.loads(one(rendered(overlay), "ConfigMap")["data"]["job.toml"])
+    base_map = one(rendered("quickstart"), "ConfigMap")
+    assert base_map == one(kustomize.by_kind_and_name(kustomize.render(K8S / "base")),
+                           "ConfigMap")
+    base = tomllib.loads(base_map["data"]["job.toml"])
+    assert "run_dir" not in base and "storage" not in base
+    assert config.pop("run_dir") == OBJECT_STORE[overlay]
+    storage = config.pop("storage")
+    assert set(storage) <= STORAGE_KEYS, sorted(set(storage) - STORAGE_KEYS)
+    assert storage["endpoint_url"] == "http://object-store.example.svc:9000"
+    assert storage["addressing_style"] == "path"
+    # Everything else as in the base (which the other overlays' tests parse).
+    assert config == base
 
 
 @pytest.mark.parametrize("overlay", [o for o in OVERLAYS if INTENDED[o][4]])
@@ -283,11 +410,11 @@ def test_the_prometheusrule_is_the_tested_alerts_file() -> None:
         "k8s/base/prometheusrule.yaml is stale: run python scripts/render_prometheusrule.py"
 
 
-def test_the_job_config_file_is_valid_in_every_overlay(tmp_path: Path) -> None:
-    for overlay in OVERLAYS:
-        text = one(rendered(overlay), "ConfigMap")["data"]["job.toml"]
-        (tmp_path / "job.toml").write_text(text)
-        parse_job_args([f"--config={tmp_path / 'job.toml'}"])
+@pytest.mark.parametrize("overlay", parsing_overlays())
+def test_the_job_config_file_is_valid_in_every_overlay(overlay: str, tmp_path: Path) -> None:
+    text = one(rendered(overlay), "ConfigMap")["data"]["job.toml"]
+    (tmp_path / "job.toml").write_text(text)
+    parse_job_args([f"--config={tmp_path / 'job.toml'}"])
 
 
 def test_the_k8s_readme_names_every_overlay_and_pet_variable() -> None:
