@@ -133,16 +133,17 @@ class ObjectStore:
         """Our error for a botocore one: one line naming the endpoint or bucket and the fix."""
         from botocore import exceptions as bce
 
-        where = self.location.url(key.removeprefix(self.location.prefix).lstrip("/")) \
-            if key else self.location.url()
+        where = f"s3://{self.location.bucket}/{key.rstrip('/')}" if key else \
+            self.location.url()
         if isinstance(exc, bce.ClientError):
             err = exc.response.get("Error", {})
             code = str(err.get("Code", ""))
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code in ("NoSuchBucket",) or (code == "404" and key is None):
+                what = f"{doing} {where}" if key else doing
                 return StorageRefusedError(
                     f"bucket {self.location.bucket} does not exist at {self.endpoint} "
-                    f"({doing}): create it, or fix the bucket in --run-dir")
+                    f"({what}): create it, or fix the bucket in --run-dir")
             if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
                         "InvalidToken", "ExpiredToken", "AllAccessDisabled") or status == 403:
                 return StorageRefusedError(

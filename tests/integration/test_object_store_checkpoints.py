@@ -174,7 +174,7 @@ def test_the_writer_fence_claims_by_conditional_write(s3_bucket: tuple[S3Server,
 
 def test_a_missing_bucket_is_one_line(s3_bucket: tuple[S3Server, str]) -> None:
     server, _ = s3_bucket
-    objects, store = _store(server, "no-such-bucket")
+    _, store = _store(server, "no-such-bucket")
     with pytest.raises(StorageRefusedError) as caught:
         store.list()
     assert str(caught.value) == (
@@ -186,14 +186,14 @@ def test_a_frozen_endpoint_fails_in_bounded_time_naming_it(
         s3_bucket: tuple[S3Server, str]) -> None:
     server = S3Server.start()
     try:
-        server.make_bucket("b")
-        _, store = _store(server, "b", read_timeout=1.0, connect_timeout=1.0, max_attempts=1)
+        server.make_bucket("frozen")
+        _, store = _store(server, "frozen", read_timeout=1.0, connect_timeout=1.0, max_attempts=1)
         _write(store, 1)
         server.freeze()
         with pytest.raises(StorageUnavailableError) as caught:
             store.list()
         assert str(caught.value).startswith(f"object store {server.endpoint} is not "
-                                            "reachable (listing s3://b/run/checkpoints: ")
+                                            "reachable (listing s3://frozen/run/checkpoints: ")
         server.thaw()
         assert [i.step for i in store.list()] == [1]
     finally:
