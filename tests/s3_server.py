@@ -107,8 +107,12 @@ class S3Server:
     # ------------------------------------------------------------ start, stop
 
     @classmethod
-    def start(cls, host: str = "127.0.0.1", port: int = 0) -> S3Server:
-        """A server on ``host``:``port`` (0: a free port, chosen again if taken meanwhile)."""
+    def start(cls, host: str = "127.0.0.1", port: int = 0, authenticate: bool = False
+              ) -> S3Server:
+        """A server on ``host``:``port`` (0: a free port, chosen again if taken meanwhile).
+        ``authenticate``: every request must be signed by a key the server knows (moto's
+        IAM, which knows none here): any credentials are refused, as wrong ones are."""
+        env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if authenticate else {})}
         binary = moto_binary()
         last_error = ""
         for _ in range(3 if port == 0 else 1):
@@ -118,7 +122,8 @@ class S3Server:
             with open(log, "wb") as out:
                 proc = subprocess.Popen([binary, "-H", host, "-p", str(chosen)], stdout=out,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
+                                        start_new_session=True, preexec_fn=_die_with_parent,
+                                        env=env)
             server = cls(proc, host, chosen, log, workdir, None)
             if server._wait_ready(START_TIMEOUT):
                 return server
@@ -162,6 +167,8 @@ class S3Server:
 
         try:
             return self.call(ask)
+        except urllib.error.HTTPError:  # an answer: a server that authenticates refuses
+            return True                  # an unsigned request (moto: 403 or 500)
         except (OSError, ValueError, RuntimeError):  # refused, timed out; NetbedError
             return False
 

@@ -453,8 +453,8 @@ class CheckpointManager:
         self.memory_copies = self.memory_seconds = None
         try:
             self._check_fence(step)  # a stale world offers nothing either
-        except CheckpointFencedError:
-            return
+        except (CheckpointFencedError, StorageError):
+            return  # the durable write meets the same and reports it
         manifest = {"writer_epoch": self.epoch if self.epoch is not None else 0, "step": step,
                     "sha256": payload.sha256, "bytes": payload.bytes,
                     "world_size": meta.get("world_size"), "time": time.time(),
