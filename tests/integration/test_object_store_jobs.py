@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +213,58 @@ def test_bad_object_store_input_is_one_line_each_and_deletes_nothing(
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
     assert keys == {"run/checkpoints/step-00000007/manifest.json",
                     "run/checkpoints/step-00000007/state-notours.pt"}
+
+
+def test_two_hosts_with_no_shared_path_restore_from_the_agents_memory(
+        netbed: Any, tiny_dropout_reference: dict[int, str], tmp_path: Path, aws: None
+) -> None:
+    """Two nodes on hosts of their own (tests/netbed.py), the object store on a third, each
+    node's local directory its own. Every checkpoint is held in two agents' memory (one per
+    host); every worker of both hosts is SIGKILLed (the agents live on): the restart
+    restores from the agents' memory, not from the object store, and the job ends with the
+    weights of a run never killed, bit for bit."""
+    from tests.integration import hosts
+    from tests.integration.test_across_hosts import writer_of
+
+    bed = netbed(["node-a", "node-b", "storage"], etcd=True)
+    server = S3Server.start_on(bed.host("storage"))
+    server.make_bucket("job")
+    url = "s3://job/run"
+    locals_ = {name: tmp_path / f"{name}-local" for name in ("node-a", "node-b")}
+    nodes = [hosts.start_node(
+        bed.host(name), tmp_path / "logs" / "run",
+        [*hosts.etcd_v3(bed, bed.host(name), "memory", nnodes="2"), *EXACT_JOB,
+         "--metrics-port", "0", *s3_args(server, url, local)], name=name, env=server.env(),
+        script=True) for name, local in locals_.items()]
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not any(0 in harness.workers_of(n.proc.pid) for n in nodes):
+            assert time.monotonic() < deadline, hosts.report(nodes)
+            time.sleep(0.1)
+        writer = writer_of(nodes)
+        assert writer.host is not None
+        writer.run_dir = local_root(server, url, locals_[writer.host.name])
+        saved = writer.wait_for_event(
+            lambda e: e["event"] == "checkpoint_saved" and e["step"] >= 15, TIMEOUT)
+        for node in nodes:
+            for pid in harness.workers_of(node.proc.pid).values():
+                os.kill(pid, signal.SIGKILL)
+        assert hosts.wait_all(nodes, TIMEOUT) == [0, 0], hosts.report(nodes)
+        rows = server.call(lambda: listing(server, url))
+        events = server.call(lambda: gathered_events(server, url, tmp_path))
+    finally:
+        for node in nodes:
+            node.stop()
+    assert saved["memory_copies"] == 2, saved
+    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert [(e["source"], e["step"] >= saved["step"]) for e in loaded] == [("memory", True)], \
+        loaded
+    assert [r["step"] for r in rows["checkpoints"]] == list(range(45, 0, -5))
+    for row in rows["checkpoints"]:
+        assert row["valid"] and row["model_digest"] == tiny_dropout_reference[row["step"]], row
+    for local in locals_.values():  # logs only: no checkpoint on any node's own disk
+        assert not [p for p in local.rglob("*") if p.name.startswith("step-")]
+    nodes_uploaded = {k.split("/")[2] for k in server.call(
+        lambda: [o["Key"] for o in server.client().list_objects_v2(
+            Bucket="job", Prefix="run/nodes/")["Contents"]])}
+    assert len(nodes_uploaded) >= 1
