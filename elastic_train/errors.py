@@ -156,3 +156,5 @@ class StorageUnavailableError(StorageError):
 
 class StorageRefusedError(StorageError):
     """The object store answered no: a missing bucket, refused credentials or permissions."""
+
+    exit_code = 2

@@ -172,7 +172,7 @@ def test_bad_object_store_input_is_one_line_each_and_deletes_nothing(
     server, bucket = s3_bucket
     env = server.env()
     code, line = _launch_line(["--run-dir", "s3://no-such-bucket/x"], env, tmp_path)
-    assert code != 0 and line == (
+    assert code == 2 and line == (
         f"elastic-train: error: run directory s3://no-such-bucket/x: bucket no-such-bucket "
         f"does not exist at {server.endpoint} (writing s3://no-such-bucket/x/.write-probe-"
         + line.split(".write-probe-")[1]), line
@@ -182,7 +182,7 @@ def test_bad_object_store_input_is_one_line_each_and_deletes_nothing(
     code, line = _launch_line(["--run-dir", f"s3://{bucket}/x", "--storage-opt",
                                f"endpoint_url={down}", "--storage-opt", "max_attempts=1"],
                               env, tmp_path)
-    assert code != 0 and line.startswith(
+    assert code == 1 and line.startswith(
         f"elastic-train: error: run directory s3://{bucket}/x: object store {down} is not "
         "reachable (writing "), line
     assert line.endswith("check that it is up and that --storage-opt endpoint_url / "
@@ -193,7 +193,7 @@ def test_bad_object_store_input_is_one_line_each_and_deletes_nothing(
         code, line = _launch_line(["--run-dir", "s3://any/x"], strict.env(), tmp_path)
     finally:
         strict.stop()
-    assert code != 0 and "refused the credentials for s3://any/x/.write-probe-" in line, line
+    assert code == 2 and "refused the credentials for s3://any/x/.write-probe-" in line, line
     assert line.endswith("(InvalidAccessKeyId, writing): check AWS_ACCESS_KEY_ID / "
                          "AWS_SECRET_ACCESS_KEY / AWS_PROFILE and the bucket's policy"), line
 
@@ -268,3 +268,21 @@ def test_two_hosts_with_no_shared_path_restore_from_the_agents_memory(
         lambda: [o["Key"] for o in server.client().list_objects_v2(
             Bucket="job", Prefix="run/nodes/")["Contents"]])}
     assert len(nodes_uploaded) >= 1
+
+
+def test_a_hand_written_loop_checkpoints_to_the_object_store(
+        s3_bucket: tuple[S3Server, str], tmp_path: Path, aws: None) -> None:
+    """The README's ElasticSession tutorial, unmodified, given ``s3://`` as its run dir:
+    the endpoint and keys come from AWS_* variables alone (boto3's chain)."""
+    server, bucket = s3_bucket
+    url = f"s3://{bucket}/tutorial"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+            str(harness.REPO / "examples" / "ddp_tutorial_elastic.py"), url]
+    env = harness.job_env({**server.env(), "ELASTIC_TRAIN_LOCAL_DIR": str(tmp_path / "local")})
+    job = harness.start(argv, tmp_path / "run", env)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    rows = listing(server, url)
+    assert rows["checkpoints"] and all(r["valid"] for r in rows["checkpoints"]), rows
+    events = gathered_events(server, url, tmp_path)
+    assert [e["event"] for e in events][-1] == "end"

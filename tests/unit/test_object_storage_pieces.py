@@ -1,0 +1,107 @@
+"""The pure pieces of s3:// run directories: URLs, options, local directories, merged logs,
+and the one line each storage failure becomes (the real server: tests/integration)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from botocore import exceptions as bce
+
+from elastic_train.checkpoint.object_store import ObjectLocation, ObjectStore
+from elastic_train.config import StorageConfig, parse_job_args, run_location, storage_from_options
+from elastic_train.errors import ConfigError, StorageRefusedError, StorageUnavailableError
+from elastic_train.rundir import RunDir, _write_merged
+
+
+def test_only_s3_urls_are_run_directories() -> None:
+    assert ObjectLocation.parse("s3://bucket/a/b/") == ObjectLocation("bucket", "a/b")
+    assert ObjectLocation.parse("s3://bucket") == ObjectLocation("bucket", "")
+    assert ObjectLocation("bucket", "a").key("checkpoints", "x") == "a/checkpoints/x"
+    assert ObjectLocation("bucket", "").key("writers") == "writers"
+    with pytest.raises(ConfigError) as caught:
+        RunDir("gs://bucket/x")
+    assert str(caught.value) == (
+        "run directory gs://bucket/x: gs:// is not supported; use a local path or "
+        "s3://BUCKET/PREFIX (GCS, Azure and others through their S3-compatible endpoint: "
+        "--storage-opt endpoint_url=...)")
+    with pytest.raises(ConfigError, match="names no bucket"):
+        ObjectLocation.parse("s3:///x")
+
+
+def test_a_url_stays_text_and_a_path_a_path() -> None:
+    assert run_location("s3://b//x") == "s3://b//x"
+    assert run_location("runs/a") == Path("runs/a")
+    config = parse_job_args(["--run-dir", "s3://b/p", "--storage-opt", "region=eu-west-1"])
+    assert config.run_dir == "s3://b/p" and config.storage.region == "eu-west-1"
+    assert config.to_dict()["run_dir"] == "s3://b/p"
+
+
+def test_storage_options_refuse_credentials_and_bad_values() -> None:
+    with pytest.raises(ConfigError) as caught:
+        storage_from_options(["aws_secret_access_key=x"])
+    assert str(caught.value) == (
+        "--storage-opt aws_secret_access_key: unknown key; the keys are endpoint_url, region, "
+        "profile, addressing_style, local_dir, connect_timeout, read_timeout, max_attempts, "
+        "publish_seconds (credentials come from AWS_* variables or profiles, never options)")
+    with pytest.raises(ConfigError, match=r"--storage-opt read_timeout='soon' is invalid: "
+                                          r"expected a float"):
+        storage_from_options(["read_timeout=soon"])
+    with pytest.raises(ConfigError, match="addressing_style='dns' is invalid: use path, "
+                                          "virtual or auto"):
+        storage_from_options(["addressing_style=dns"])
+    with pytest.raises(ConfigError, match="write it as KEY=VALUE"):
+        storage_from_options(["endpoint_url"])
+    options = storage_from_options(["max_attempts=1", "endpoint_url=http://h:9"],
+                                   {"region": "r"})
+    assert (options.max_attempts, options.endpoint_url, options.region) == (1, "http://h:9", "r")
+
+
+def test_each_run_has_its_own_local_directory_and_a_node_its_own_name(tmp_path: Path) -> None:
+    storage = StorageConfig(local_dir=str(tmp_path))
+    a, b = RunDir("s3://bkt/run/a", storage), RunDir("s3://bkt/run_a", storage)
+    assert a.root != b.root and a.root.parent == tmp_path == b.root.parent
+    assert a.remote and not RunDir(tmp_path).remote
+    assert a.events.parent == a.root and a.checkpoints == "s3://bkt/run/a/checkpoints"
+    first = a.node_id()
+    assert first == RunDir("s3://bkt/run/a", storage).node_id()  # the node's incarnations
+    assert first != RunDir("s3://bkt/run/a", StorageConfig(local_dir=str(tmp_path / "other"))
+                           ).node_id()  # another node (another local directory)
+
+
+def test_merged_logs_are_in_time_order_and_drop_torn_lines(tmp_path: Path) -> None:
+    lines = [json.dumps({"time": 3, "n": "c"}), json.dumps({"time": 1, "n": "a"}),
+             '{"time": 2, "n": "torn', json.dumps({"time": 2, "n": "b"})]
+    _write_merged(tmp_path / "out.jsonl", lines)
+    merged = [json.loads(line)["n"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert merged == ["a", "b", "c"]
+
+
+def _store() -> ObjectStore:
+    return ObjectStore(ObjectLocation("bkt", "run"), StorageConfig(endpoint_url="http://s3:9"))
+
+
+def _client_error(code: str, status: int) -> bce.ClientError:
+    return bce.ClientError({"Error": {"Code": code, "Message": "m"},
+                            "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def test_each_failure_is_one_line_naming_the_endpoint_or_bucket() -> None:
+    store = _store()
+    missing = store._failure(_client_error("NoSuchBucket", 404), "writing", "run/x")
+    assert isinstance(missing, StorageRefusedError) and str(missing) == (
+        "bucket bkt does not exist at http://s3:9 (writing s3://bkt/run/x): create it, or fix "
+        "the bucket in --run-dir")
+    refused = store._failure(_client_error("SignatureDoesNotMatch", 403), "reading", "run/y")
+    assert str(refused) == (
+        "http://s3:9 refused the credentials for s3://bkt/run/y (SignatureDoesNotMatch, "
+        "reading): check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE and the "
+        "bucket's policy")
+    down = store._failure(bce.EndpointConnectionError(endpoint_url="http://s3:9"), "listing",
+                          "run/checkpoints/")
+    assert isinstance(down, StorageUnavailableError) and str(down) == (
+        "object store http://s3:9 is not reachable (listing s3://bkt/run/checkpoints: "
+        "EndpointConnectionError): check that it is up and that --storage-opt endpoint_url / "
+        "AWS_ENDPOINT_URL names it")
+    assert missing.exit_code == refused.exit_code == 2 and down.exit_code == 1
