@@ -26,6 +26,7 @@ last ``publish_seconds`` of events with it, never a checkpoint.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -115,7 +116,12 @@ class RunDir:
 
     # ---- stores --------------------------------------------------------------------------
     def objects(self) -> Any:
-        """The object store client of an ``s3://`` run directory."""
+        """The object store client of an ``s3://`` run directory (one per RunDir: a boto3
+        client is made once, and again in a forked child)."""
+        return self._objects
+
+    @functools.cached_property
+    def _objects(self) -> Any:
         from elastic_train.checkpoint.object_store import ObjectLocation, ObjectStore
 
         assert self.remote

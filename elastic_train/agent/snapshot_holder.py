@@ -43,6 +43,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from elastic_train.agent.environment import set_for_workers
+from elastic_train.checkpoint.persister import lower_thread_priority
 from elastic_train.errors import ElasticTrainError
 from elastic_train.live.environment import MEMORY_TIER
 from elastic_train.live.memory_tier import (
@@ -392,6 +393,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- requests --------------------------------------------------------------------------
     def do_PUT(self) -> None:
+        lower_thread_priority()  # a checkpoint's copy, like its writer: never before training
         holder = self.server.holder
         path, _ = self._query()
         length = self._length()

@@ -21,6 +21,8 @@ and unpickles nothing but tensors (``weights_only``).
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import re
 import secrets
@@ -114,8 +116,6 @@ class ObjectCheckpointStore:
         hook("tmp-created")
         serialized = payload if isinstance(payload, Serialized) else serialize(payload)
         hook("payload-written")
-        import io
-
         try:
             self.objects.upload(payload_key, io.BytesIO(serialized.data))
             hook("payload-synced")
@@ -191,8 +191,6 @@ class ObjectCheckpointStore:
 
     def verify(self, info: CheckpointInfo) -> Verdict:
         """Check the manifest, the format version and every payload's size and sha256."""
-        import hashlib
-
         if info.manifest is None:
             return Verdict(info, False, info.problem)
         problem = format_problem(info.manifest)
@@ -220,8 +218,6 @@ class ObjectCheckpointStore:
     def load(self, info: CheckpointInfo, map_location: str | torch.device = "cpu"
              ) -> dict[str, Any]:
         """Read the payload (checked against the manifest's sha256) and load it safely."""
-        import hashlib
-
         if info.manifest is None:
             info = self.read_info(info.path, info.step)
             if info.manifest is None:

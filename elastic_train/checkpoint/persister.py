@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 WRITER_NICENESS = 10
 
 
-def _lower_priority() -> None:
+def lower_thread_priority() -> None:
     """Lower this thread's CPU priority (Linux: per thread); elsewhere nothing."""
     tid = threading.get_native_id()
     try:
@@ -62,7 +62,7 @@ class BackgroundPersister:
             raise RuntimeError("a persist is already in flight: wait() for it first")
 
         def run() -> None:
-            _lower_priority()
+            lower_thread_priority()
             started = time.monotonic()
             try:
                 persist()
