@@ -223,8 +223,11 @@ class CheckpointManager:
         The agents' memory tier is tried first when it holds a snapshot at least as new
         as the newest durable checkpoint; if any rank cannot read it, every rank restores
         from the run directory instead."""
+        # Every rank must reach the memory tier (a plain torchrun node joined to ours has
+        # no agent holder): else every rank restores from the run directory.
+        use_memory = distributed.all_true(self.group, self.memory is not None)
         try:
-            return self._restore(objects, use_memory=self.memory is not None)
+            return self._restore(objects, use_memory=use_memory)
         except _MemoryRestoreFailed:
             return self._restore(objects, use_memory=False)
 

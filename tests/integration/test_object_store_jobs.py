@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from elastic_train import cli
+from elastic_train.checkpoint.storage import model_digest
 from elastic_train.config import StorageConfig
 from elastic_train.rundir import RunDir
 from tests.integration import harness
@@ -91,8 +93,16 @@ def test_rank0_killed_mid_upload_resumes_bitwise_from_the_previous_checkpoint(
         server.thaw()
         assert job.wait(TIMEOUT) == 0, job.report()
         rows = listing(server, url)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["checkpoints", "export", url, str(tmp_path / "final.pt"),
+                             "--storage-opt", f"endpoint_url={server.endpoint}"]) == 0
     finally:
         server.stop()
+    final = tiny_dropout_reference[harness.TINY_DROPOUT_STEPS]
+    assert f"exported step {harness.TINY_DROPOUT_STEPS} of {url} " in out.getvalue()
+    assert f"model sha256 {final}) to " in out.getvalue()
+    assert model_digest(torch.load(tmp_path / "final.pt", weights_only=True)) == final
     events = job.events()
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert [e["step"] for e in loaded] == [15], loaded

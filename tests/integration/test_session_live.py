@@ -115,7 +115,7 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
     try:
         job.wait_for_event(_step(12), TIMEOUT)
         # a job of one node: both of the agent's stores (the c10d rendezvous' and its own)
-        # listen on loopback only
+        # and its memory tier's holder listen on loopback only
         agent_listens = harness.listening(job.proc.pid)
         pids = job.worker_pids()
         job.kill_worker(1)
@@ -137,7 +137,7 @@ def test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact(
     finally:
         job.stop()
     assert kept == [True, True, True], job.report()
-    assert len(agent_listens) == 2 and {a for a, _ in agent_listens} == {"127.0.0.1"}, \
+    assert len(agent_listens) == 3 and {a for a, _ in agent_listens} == {"127.0.0.1"}, \
         agent_listens
     events = job.events()
     names = [e["event"] for e in events]
