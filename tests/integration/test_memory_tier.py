@@ -25,6 +25,7 @@ def results(out: Path, what: str) -> list[dict[str, object]]:
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"{what}-*.json"))]
 
 
+@pytest.mark.extended  # the same across real hosts, with a real job: test_object_store_jobs.py
 def test_two_agents_hold_a_snapshot_that_outlives_every_worker(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
