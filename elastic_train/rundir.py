@@ -17,7 +17,7 @@ commit and at exit) as objects of its own; readers merge the nodes' copies::
     s3://bucket/prefix/
       checkpoints/step-<N>/   checkpoint/object_checkpoints.py's format
       writers/epoch-<E>       created by a conditional write
-      nodes/<node>/events.jsonl, nodes/<node>/samples/rank-<R>.jsonl
+      nodes/<node>/events.jsonl.<part>, nodes/<node>/samples/rank-<R>.jsonl.<part>
 
 A node's local directory (``--storage-opt local_dir``, ``$ELASTIC_TRAIN_LOCAL_DIR``, else
 under the system's temp) holds nothing the job cannot lose: a node lost takes at most its
@@ -50,6 +50,9 @@ SAMPLES_DIR = "samples"
 WRITERS_DIR = "writers"
 NODES_DIR = "nodes"
 LOCAL_DIR_ENV = "ELASTIC_TRAIN_LOCAL_DIR"
+PART_BYTES = 4 << 20
+"""A node's log is uploaded in parts of this size: a long job's log is not sent again
+whole at every upload, only its last part."""
 
 
 @dataclass(frozen=True)
@@ -207,17 +210,43 @@ class RunDir:
         relative = path.relative_to(self.root).as_posix()
         return self._key(NODES_DIR, self.node_id(), relative)
 
-    def publish(self, paths: list[Path]) -> None:
-        """Upload these local files as this node's copies (no-op on a filesystem)."""
+    def publish(self, paths: list[Path], done: dict[Path, int] | None = None) -> None:
+        """Upload these local files as this node's copies (no-op on a filesystem), in
+        parts of about ``PART_BYTES`` cut at line ends: ``done`` (updated) counts the
+        complete parts of each file already uploaded, which are never sent again."""
         if not self.remote:
             return
+        done = {} if done is None else done
         objects = self.objects()
         for path in paths:
             try:
                 data = path.read_bytes()
             except FileNotFoundError:
                 continue
-            objects.put(self._remote_of(path), data)
+            parts = _parts(data)
+            remote = self._remote_of(path)
+            for index in range(done.get(path, 0), len(parts)):
+                objects.put(f"{remote}.{index:05d}", parts[index])
+            done[path] = len(parts) - 1
+
+    def _gathered(self, suffix: str, skip: str | None = None) -> dict[str, list[str]]:
+        """{file name: lines} of every node's uploaded files ending in ``suffix``, each
+        node's parts in order, all nodes' lines together; ``skip``: a node's key prefix."""
+        objects = self.objects()
+        files: dict[str, list[tuple[str, str]]] = {}
+        for listed in objects.list(self._key(NODES_DIR) + "/"):
+            base, dot, index = listed.key.rpartition(".")
+            if not dot or not index.isdigit() or not base.endswith(suffix):
+                continue
+            if skip is not None and listed.key.startswith(skip):
+                continue
+            files.setdefault(base, []).append((index, listed.key))
+        lines: dict[str, list[str]] = {}
+        for base, parts in files.items():
+            text = "".join((objects.get(key) or b"").decode(errors="replace")
+                           for _, key in sorted(parts))
+            lines.setdefault(base.rsplit("/", 1)[-1], []).extend(text.splitlines())
+        return lines
 
     def gathered_events(self) -> Path:
         """A local file with every node's events, merged in time order (on a filesystem:
@@ -226,10 +255,7 @@ class RunDir:
             return self.events
         own = self._remote_of(self.events) if self.events.exists() else None
         lines = _lines(self.events)
-        objects = self.objects()
-        for listed in objects.list(self._key(NODES_DIR) + "/"):
-            if listed.key.endswith("/" + EVENTS_FILE) and listed.key != own:
-                lines += (objects.get(listed.key) or b"").decode(errors="replace").splitlines()
+        lines += self._gathered("/" + EVENTS_FILE, skip=own).get(EVENTS_FILE, [])
         merged = self.root / "gathered" / EVENTS_FILE
         _write_merged(merged, lines)
         return merged
@@ -239,13 +265,8 @@ class RunDir:
         in time order (on a filesystem: the samples directory itself)."""
         if not self.remote:
             return self.samples
-        by_rank: dict[str, list[str]] = {}
-        objects = self.objects()
-        for listed in objects.list(self._key(NODES_DIR) + "/"):
-            parts = listed.key.rsplit("/", 2)
-            if len(parts) == 3 and parts[1] == SAMPLES_DIR:
-                text = (objects.get(listed.key) or b"").decode(errors="replace")
-                by_rank.setdefault(parts[2], []).extend(text.splitlines())
+        by_rank = {name: lines for name, lines in self._gathered(".jsonl").items()
+                   if name.startswith("rank-")}
         out = self.root / "gathered" / SAMPLES_DIR
         out.mkdir(parents=True, exist_ok=True)
         for stale in out.glob("rank-*.jsonl"):
@@ -253,6 +274,22 @@ class RunDir:
         for name, lines in by_rank.items():
             _write_merged(out / name, lines)
         return out
+
+
+def _parts(data: bytes, size: int | None = None) -> list[bytes]:
+    """An append-only file cut into parts of at least ``size`` bytes, each ending at the
+    first line end past that size (the last part: the rest). Where a file is cut never
+    moves as it grows, so a complete part is the same bytes at every upload."""
+    size = size or PART_BYTES
+    parts, start = [], 0
+    while len(data) - start > size:
+        cut = data.find(b"\n", start + size - 1)
+        if cut < 0:
+            break
+        parts.append(data[start:cut + 1])
+        start = cut + 1
+    parts.append(data[start:])
+    return parts
 
 
 def _lines(path: Path) -> list[str]:
@@ -295,6 +332,7 @@ class Publisher:
         self.run_dir = run_dir
         self._paths: list[Path] = []
         self._sizes: dict[Path, int] = {}
+        self._done: dict[Path, int] = {}  # complete parts uploaded, per file
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -326,7 +364,7 @@ class Publisher:
                 if force or self._sizes.get(path) != size:
                     changed.append((path, size))
             try:
-                self.run_dir.publish([path for path, _ in changed])
+                self.run_dir.publish([path for path, _ in changed], self._done)
             except StorageError as exc:
                 if not self._failing:
                     log.warning("could not upload the event log and sample records (%s); "

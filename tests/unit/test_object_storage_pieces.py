@@ -12,7 +12,7 @@ from botocore import exceptions as bce
 from elastic_train.checkpoint.object_store import ObjectLocation, ObjectStore
 from elastic_train.config import StorageConfig, parse_job_args, run_location, storage_from_options
 from elastic_train.errors import ConfigError, StorageRefusedError, StorageUnavailableError
-from elastic_train.rundir import RunDir, _write_merged
+from elastic_train.rundir import RunDir, _parts, _write_merged
 
 
 def test_only_s3_urls_are_run_directories() -> None:
@@ -105,3 +105,15 @@ def test_each_failure_is_one_line_naming_the_endpoint_or_bucket() -> None:
         "EndpointConnectionError): check that it is up and that --storage-opt endpoint_url / "
         "AWS_ENDPOINT_URL names it")
     assert missing.exit_code == refused.exit_code == 2 and down.exit_code == 1
+
+
+def test_a_growing_log_is_cut_where_it_was_cut_before() -> None:
+    lines = [json.dumps({"time": i, "pad": "x" * (i % 7)}).encode() + b"\n" for i in range(300)]
+    data = b"".join(lines)
+    earlier = _parts(data[:3000], size=500)
+    later = _parts(data, size=500)
+    assert b"".join(later) == data and b"".join(earlier) == data[:3000]
+    assert later[:len(earlier) - 1] == earlier[:-1]  # complete parts never change
+    assert all(len(p) >= 500 and p.endswith(b"\n") for p in later[:-1])
+    assert _parts(b"", size=500) == [b""] and _parts(b"no line end" * 100, size=5) == [
+        b"no line end" * 100]
