@@ -2,20 +2,27 @@
 tier, against a local run directory, interleaved in one run.
 
     python benchmarks/object_store.py                 # the four tables: medium preset, 3
-                                                      # repetitions (about 15 minutes on 2 cores)
+                                                      # repetitions (about 12 minutes on 2 cores)
     python benchmarks/object_store.py --reps 1 --preset small    # a quick look
-    python benchmarks/object_store.py --every 8 --steps 32       # checkpoints further apart
+    python benchmarks/object_store.py --every 8 --steps 40       # checkpoints further apart
+    python benchmarks/object_store.py --nproc 1 --skip-restore   # a core left to the writer
+                                                      # and the object store (tables 1, 2, 4)
     python benchmarks/object_store.py --skip-restore  # tables 1, 2 and 4 only
     python benchmarks/object_store.py --skip-steady   # table 3 only
+    python benchmarks/object_store.py --recovery restart         # table 3 without live
 
 The object store is moto's S3 server (tests/s3_server.py; ``make setup`` installs it) as a
 process on loopback, a fresh empty one for every run, on the same cores as the job: what
 it spends receiving a checkpoint is taken from training, as a real endpoint's would not
-be. Every job is ``elastic-train run`` with one node of ``--nproc-per-node`` workers (2);
-the runs of each table are interleaved and their order rotated every repetition, each
-started with the previous one's writes flushed (``os.sync()``). Every figure has its
-median and spread (min-max) over the repetitions (over every checkpoint of them where the
-figure is per checkpoint), and a ratio against a baseline of the same invocation:
+be (moto runs at normal priority; the checkpoint writer thread in SCHED_IDLE,
+checkpoint/persister.py, so where training fills every core a persist moves only in the
+gaps and the time until durable measures that slack as much as the store: ``--nproc 1``
+leaves a core). Every job is ``elastic-train run`` with one node of 2 workers
+(``--nproc``); the runs of each table are interleaved and their order rotated every
+repetition, each started with the previous one's writes flushed (``os.sync()``). Every
+figure has its median and spread (min-max) over the repetitions (over every checkpoint of
+them where the figure is per checkpoint), and a ratio against a baseline of the same
+invocation:
 
 1. stall per checkpoint (the step that contains a save, minus the median step; bench.py's
    ``_stalls``) and mean step time, checkpoints every N steps: local run directory
@@ -30,7 +37,10 @@ figure is per checkpoint), and a ratio against a baseline of the same invocation
    completed step and ``checkpoint_loaded.seconds``, restoring from the memory tier
    (``s3://``, tier on), from the object store (``s3://``, tier off) and from local disk
    (local run directory, tier off: the file is in the page cache, as on a restart on the
-   same node), each checked against ``checkpoint_loaded.source``;
+   same node), each checked against ``checkpoint_loaded.source``; once with
+   ``--recovery restart`` (the group restart alone: the restore's cost) and once with the
+   default ``--recovery live`` (what a job gets by default; the agent's log says whether it
+   saw both deaths as one failure, and which stopped worker ran out its SIGTERM budget);
 4. host memory of the tier: a checkpoint's payload bytes x copies, and the agent process's
    RSS (VmRSS of the ``elastic-train run`` process) before the first checkpoint, after the
    last periodic one and at its peak, with the tier on and off (the runs of table 1).
@@ -42,6 +52,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import statistics
 import sys
@@ -56,7 +67,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import (  # noqa: E402
+from bench import (
     PRESETS,
     Preset,
     _cpu_ticks,
@@ -68,10 +79,10 @@ from bench import (  # noqa: E402
     _summary,
 )
 
-from elastic_train.config import StorageConfig  # noqa: E402
-from elastic_train.rundir import RunDir  # noqa: E402
-from tests.integration import harness  # noqa: E402
-from tests.s3_server import S3Server  # noqa: E402
+from elastic_train.config import StorageConfig
+from elastic_train.rundir import RunDir
+from tests.integration import harness
+from tests.s3_server import S3Server
 
 BUCKET = "bench"
 MIB = 1024 ** 2
@@ -91,6 +102,15 @@ STEADY = (Config("local", s3=False, tier=True), Config("s3", s3=True, tier=True)
 RESTORE = (Config("memory", s3=True, tier=True), Config("object store", s3=True, tier=False),
            Config("local disk", s3=False, tier=False))
 EXPECTED_SOURCE = {"memory": "memory", "object store": "storage", "local disk": "storage"}
+
+
+def _vs(num: list[float], den: list[float]) -> str:
+    """bench.py's ratio of medians, unless the baseline's median is not above zero (a stall
+    lost in the noise): then the difference of the medians."""
+    if num and den and statistics.median(den) <= 0:
+        difference = statistics.median(num) - statistics.median(den)
+        return f"n/a (baseline <= 0; difference {difference:+.3f} s)"
+    return _ratio(num, den)
 
 
 def _job_args(p: Preset, every: int, tier: bool, recovery: str = "live") -> list[str]:
@@ -192,7 +212,7 @@ def _steady_once(tmp: Path, name: str, cfg: Config, p: Preset, every: int
         "copies": [float(e.get("memory_copies") or 0) for e in periodic],
         "bytes": [float(e["bytes"]) for e in periodic],
         "held": [float(e["bytes"] * (e.get("memory_copies") or 0)) for e in periodic],
-        "saves waited": [float(sum(e["event"] == "checkpoint_waited" for e in events))],
+        "saves waited": [float(sum(e.get("waited_seconds", 0.0) > 0.001 for e in periodic))],
         "steal": [_steal_since(ticks)],
     }
     before = rss.last_before(saved[0]["snapshot_at"])
@@ -231,14 +251,20 @@ def steady(tmp: Path, p: Preset, every: int, reps: int) -> None:
                       ("persist", "persist, wall (background)"),
                       ("waited", "a save's wait for the previous persist (in the stall)")):
         print(f"| {what} | {_summary(of(local, key))} | {_summary(of(s3, key))} | "
-              f"{_summary(of(off, key))} | {_ratio(of(s3, key), of(local, key))}"
+              f"{_summary(of(off, key))} | {_vs(of(s3, key), of(local, key))}"
               + (" (goal <= 1.05)" if key == "stall" else "")
-              + f" | {_ratio(of(off, key), of(local, key))} |")
-    print(f"| saves that waited for the previous persist, per run | "
+              + f" | {_vs(of(off, key), of(local, key))} |")
+        if key in ("stall", "waited"):  # a median hides the saves that waited
+            means = [[statistics.mean(of(c.label, key))] if of(c.label, key) else []
+                     for c in STEADY]
+            print(f"| {what}, mean | {_summary(means[0])} | {_summary(means[1])} | "
+                  f"{_summary(means[2])} | {_vs(means[1], means[0])} | "
+                  f"{_vs(means[2], means[0])} |")
+    print(f"| periodic saves that waited for the previous persist, per run | "
           f"{_summary(of(local, 'saves waited'))} | {_summary(of(s3, 'saves waited'))} | "
           f"{_summary(of(off, 'saves waited'))} | | |")
     print(f"| the memory tier's cost on s3: stall, tier on / off | | | | "
-          f"{_ratio(of(s3, 'stall'), of(off, 'stall'))} | |")
+          f"{_vs(of(s3, 'stall'), of(off, 'stall'))} | |")
     print(f"| the memory tier's cost on s3: step, tier on / off | | | | "
           f"{_ratio(of(s3, 'step'), of(off, 'step'))} | |")
     print("| CPU time stolen by the hypervisor during the runs | "
@@ -253,33 +279,36 @@ def steady(tmp: Path, p: Preset, every: int, reps: int) -> None:
           f" {_summary(of(s3, 'durable'))} | {_summary(of(off, 'durable'))} | "
           f"{_ratio(of(s3, 'durable'), of(local, 'durable'))} | "
           f"{_ratio(of(off, 'durable'), of(local, 'durable'))} |")
-    print(f"| held in memory: memory_seconds (the offer) | {_summary(of(local, 'memory'))} | "
-          f"{_summary(of(s3, 'memory'))} | (tier off) | "
+    print("| held in memory: memory_seconds (the offer, after the serialization) | "
+          f"{_summary(of(local, 'memory'))} | {_summary(of(s3, 'memory'))} | (tier off) | "
           f"{_ratio(of(s3, 'memory'), of(local, 'memory'))} | |")
     print(f"| memory_copies | {_summary(of(local, 'copies'))} | {_summary(of(s3, 'copies'))}"
           f" | {_summary(of(off, 'copies'))} | | |")
     print(f"| memory_seconds / durable (s3) | | {_ratio(of(s3, 'memory'), of(s3, 'durable'))}"
           " | | | |")
 
-    print(f"\n## 4. Host memory of the memory tier (the runs of table 1; agent RSS sampled "
+    print("\n## 4. Host memory of the memory tier (the runs of table 1; agent RSS sampled "
           "every 0.05 s)")
-    print(f"| figure | {local} MiB | {s3} MiB | {off} MiB | {s3} / {off} |")
-    print("|---|---|---|---|---|")
+    print(f"| figure | {local} MiB | {s3} MiB | {off} MiB | {s3} / {off} | {s3} - {off} MiB |")
+    print("|---|---|---|---|---|---|")
     payload = [b / MIB for b in of(s3, "bytes")]
     held = [b / MIB for b in of(s3, "held")]
     print(f"| payload of a checkpoint (bytes) | {_summary([b / MIB for b in of(local, 'bytes')])}"
-          f" | {_summary(payload)} | {_summary([b / MIB for b in of(off, 'bytes')])} | |")
+          f" | {_summary(payload)} | {_summary([b / MIB for b in of(off, 'bytes')])} | | |")
     print(f"| held by the tier: bytes x memory_copies | "
-          f"{_summary([b / MIB for b in of(local, 'held')])} | {_summary(held)} | 0 | |")
+          f"{_summary([b / MIB for b in of(local, 'held')])} | {_summary(held)} | 0 | | |")
     for key, what in (("rss before", "agent RSS before the first checkpoint"),
                       ("rss after", "agent RSS after the last periodic checkpoint"),
                       ("rss peak", "agent RSS, peak"),
                       ("rss growth", "agent RSS growth: after - before")):
-        print(f"| {what} | {_summary(of(local, key))} | {_summary(of(s3, key))} | "
-              f"{_summary(of(off, key))} | {_ratio(of(s3, key), of(off, key))} |")
+        on, off_ = of(s3, key), of(off, key)
+        difference = f"{statistics.median(on) - statistics.median(off_):+.1f}" \
+            if on and off_ else "n/a"
+        print(f"| {what} | {_summary(of(local, key))} | {_summary(on)} | {_summary(off_)} | "
+              f"{_ratio(on, off_) if key != 'rss growth' else ''} | {difference} |")
     if held and of(s3, "rss growth"):
         print(f"| RSS growth / held bytes (s3, tier on) | | "
-              f"{statistics.median(of(s3, 'rss growth')) / statistics.median(held):.2f} | | |")
+              f"{statistics.median(of(s3, 'rss growth')) / statistics.median(held):.2f} | | | |")
 
 
 def _restore_once(tmp: Path, name: str, cfg: Config, p: Preset, recovery: str,
@@ -308,9 +337,8 @@ def _restore_once(tmp: Path, name: str, cfg: Config, p: Preset, recovery: str,
             if time.monotonic() > deadline or job.proc.poll() is not None:
                 raise SystemExit(f"{name}: no step after the kill:\n{job.report()}")
             time.sleep(0.01)
+        output = job.output()
     startup = [e for e in events if e["event"] == "startup" and e["time"] > killed_at]
-    recoveries = [e.get("kind") for e in events if e["event"] == "recovery"
-                  and e["time"] > killed_at]
     found: dict[str, Any] = {
         "total": stepped[0]["time"] - killed_at,
         "loaded": loaded[0]["seconds"],
@@ -319,7 +347,12 @@ def _restore_once(tmp: Path, name: str, cfg: Config, p: Preset, recovery: str,
         "source": loaded[0].get("source"),
         "saved step": saved["step"],
         "loaded step": loaded[0]["step"],
-        "recoveries": recoveries,
+        # The agent's log (live recovery): whether it saw both deaths as one failure, the
+        # workers it started again into the running world, and the workers it stopped with
+        # SIGTERM that ran out their preemption budget instead of exiting.
+        "seen at once": bool(re.search(r"worker rank\(s\) \[\d+(, \d+)+\] failed", output)),
+        "live restarts": output.count("started again into the running world"),
+        "budget overruns": output.count("preemption budget"),
         "bytes": saved["bytes"],
     }
     if startup:
@@ -330,39 +363,50 @@ def _restore_once(tmp: Path, name: str, cfg: Config, p: Preset, recovery: str,
     return found
 
 
-def restore(tmp: Path, p: Preset, reps: int) -> None:
-    results: dict[str, list[dict[str, Any]]] = {c.label: [] for c in RESTORE}
+def restore(tmp: Path, p: Preset, reps: int, modes: list[str]) -> None:
+    runs = [(cfg, mode) for mode in modes for cfg in RESTORE]
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {(c.label, m): [] for c, m in runs}
     for r in range(reps):
-        order = RESTORE[r % len(RESTORE):] + RESTORE[:r % len(RESTORE)]
-        for cfg in order:
-            name = f"restore-{cfg.label.replace(' ', '-')}-{r}"
+        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        for cfg, mode in order:
+            name = f"restore-{mode}-{cfg.label.replace(' ', '-')}-{r}"
             began = time.monotonic()
-            results[cfg.label].append(_restore_once(tmp, name, cfg, p))
+            results[cfg.label, mode].append(_restore_once(tmp, name, cfg, p, mode))
             print(f"  ({name}: {time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
     memory, store, disk = (c.label for c in RESTORE)
-    print(f"\n## 3. Restore after every worker died (preset {p.name}, 1 node x {p.nproc} "
-          f"workers, checkpoint every {p.every} steps, SIGKILL of every worker right after "
-          f"the first checkpoint_saved; {reps} repetition(s))")
-    print(f"| figure | from {memory} s | from the {store} s | from {disk} s | "
-          f"{memory} / {disk} | {store} / {disk} |")
-    print("|---|---|---|---|---|---|")
-    for key, what in (("total", "kill -> next completed step"),
-                      ("loaded", "checkpoint_loaded.seconds (the restore)"),
-                      ("kill -> worker started", "kill -> restarted worker's process start"),
-                      ("kill -> loaded", "kill -> checkpoint loaded"),
-                      ("loaded -> step", "checkpoint loaded -> next step")):
-        values = {label: [x[key] for x in runs if key in x] for label, runs in results.items()}
-        print(f"| {what} | {_summary(values[memory])} | {_summary(values[store])} | "
-              f"{_summary(values[disk])} | {_ratio(values[memory], values[disk])} | "
-              f"{_ratio(values[store], values[disk])} |")
-    for label, runs in results.items():
-        sources = [x["source"] for x in runs]
-        wrong = sum(s != EXPECTED_SOURCE[label] for s in sources)
-        print(f"- {label}: checkpoint_loaded.source {sources} (expected "
-              f"{EXPECTED_SOURCE[label]!r}{', ' + str(wrong) + ' NOT AS CLAIMED' if wrong else ''})"
-              f"; saved step -> loaded step {[(x['saved step'], x['loaded step']) for x in runs]}"
-              f"; recovery events after the kill {[x['recoveries'] for x in runs]}; payload "
-              f"{statistics.median(x['bytes'] for x in runs) / MIB:.1f} MiB")
+    for mode in modes:
+        print(f"\n## 3{'ab'[modes.index(mode)] if len(modes) > 1 else ''}. Restore after every "
+              f"worker died, --recovery {mode}{' (the default)' if mode == 'live' else ''} "
+              f"(preset {p.name}, 1 node x {p.nproc} workers, checkpoint every {p.every} "
+              f"steps, SIGKILL of every worker right after the first checkpoint_saved; {reps} "
+              "repetition(s))")
+        print(f"| figure | from {memory} s | from the {store} s | from {disk} s | "
+              f"{memory} / {disk} | {store} / {disk} |")
+        print("|---|---|---|---|---|---|")
+        for key, what in (("total", "kill -> next completed step"),
+                          ("loaded", "checkpoint_loaded.seconds (the restore)"),
+                          ("kill -> worker started", "kill -> the restarted worker's start"),
+                          ("kill -> loaded", "kill -> checkpoint loaded"),
+                          ("loaded -> step", "checkpoint loaded -> next step")):
+            values = {label: [x[key] for x in results[label, mode] if key in x]
+                      for label in (memory, store, disk)}
+            print(f"| {what} | {_summary(values[memory])} | {_summary(values[store])} | "
+                  f"{_summary(values[disk])} | {_ratio(values[memory], values[disk])} | "
+                  f"{_ratio(values[store], values[disk])} |")
+        for label in (memory, store, disk):
+            done = results[label, mode]
+            sources = [x["source"] for x in done]
+            wrong = sum(s != EXPECTED_SOURCE[label] for s in sources)
+            print(f"- {label}: checkpoint_loaded.source {sources} (expected "
+                  f"{EXPECTED_SOURCE[label]!r}"
+                  f"{', ' + str(wrong) + ' NOT AS CLAIMED' if wrong else ', as claimed'}); "
+                  f"saved step -> loaded step {[(x['saved step'], x['loaded step']) for x in done]}"
+                  + (f"; both deaths seen as one failure {[x['seen at once'] for x in done]}"
+                     f"; workers started again into the running world (live restarts spent) "
+                     f"{[x['live restarts'] for x in done]}" if mode == "live" else "")
+                  + f"; workers that ran out the 25 s SIGTERM budget "
+                  f"{[x['budget overruns'] for x in done]}; payload "
+                  f"{statistics.median(x['bytes'] for x in done) / MIB:.1f} MiB")
 
 
 def main() -> int:
@@ -373,8 +417,13 @@ def main() -> int:
                         "preset's)")
     parser.add_argument("--steps", type=int, help="steps of the runs of tables 1, 2 and 4 "
                         "(default: the preset's)")
+    parser.add_argument("--nproc", type=int, default=2, help="workers of the runs of tables "
+                        "1, 2 and 4 (1 leaves a core to the writer and the object store, as "
+                        "the host CPUs of a GPU node do; table 3 always runs 2)")
     parser.add_argument("--skip-steady", action="store_true", help="no tables 1, 2 and 4")
     parser.add_argument("--skip-restore", action="store_true", help="no table 3")
+    parser.add_argument("--recovery", default="restart,live", help="the --recovery of the "
+                        "runs of table 3, one table each (comma-separated)")
     ns = parser.parse_args()
     p = PRESETS[ns.preset]
     p = dataclasses.replace(p, steps=ns.steps or p.steps, every=ns.every or p.every)
@@ -385,9 +434,9 @@ def main() -> int:
     print(f"\n`{' '.join(['python', 'benchmarks/object_store.py', *sys.argv[1:]])}`; the object "
           "store: moto_server on loopback, a fresh one per run, sharing the job's cores")
     if not ns.skip_steady:
-        steady(tmp, p, p.every, ns.reps)
+        steady(tmp, dataclasses.replace(p, nproc=ns.nproc), p.every, ns.reps)
     if not ns.skip_restore:
-        restore(tmp, p, ns.reps)
+        restore(tmp, p, ns.reps, ns.recovery.split(","))
     print(f"\n(the whole invocation took {time.monotonic() - began:.0f} s)")
     return 0
 
