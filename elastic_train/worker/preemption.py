@@ -5,6 +5,11 @@ does each step, so every rank learns of a stop request at the same step boundary
 not a race), rank 0 writes a checkpoint, and all exit 0. A watchdog bounds the whole stop
 by a budget chosen below the grace period: past it the process exits at once, non-zero,
 and the last good checkpoint stays.
+
+Until the worker holds the training state (``arm``: restored, or received from the
+others), a SIGTERM ends it at once (exit 143): it has nothing to checkpoint, and it may be
+waiting where no step boundary comes (a worker started into a world whose members all
+died waits for a state no one holds), so a flag would only wait out the budget.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ class StopRequest:
         self.received_at: float | None = None
         self._previous: dict[int, object] = {}
         self._watchdog: threading.Timer | None = None
+        self.armed = False
+        """Whether this worker holds the training state (see the module)."""
+
+    def arm(self) -> None:
+        """The worker holds the training state: a signal now stops it at a step boundary."""
+        self.armed = True
 
     @property
     def requested(self) -> bool:
@@ -57,6 +68,11 @@ class StopRequest:
             self._watchdog.cancel()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.armed:
+            os.write(2, f"elastic_train: {signal.Signals(signum).name} before this worker "
+                        "held the training state: exiting now (nothing to checkpoint; the "
+                        "newest checkpoint stands)\n".encode())
+            os._exit(128 + signum)
         if self.received_at is not None:
             return
         self.received_at = time.monotonic()

@@ -417,6 +417,13 @@ class WorkerRuntime:
         return StepWatchdog(store, self.group.rank, self.group.world_size, step_timeout,
                             report, replaces_killed=self.live is not None)
 
+    def hold_state(self) -> None:
+        """This worker holds the training state now (restored, or received): from here a
+        SIGTERM stops it at a step boundary with a checkpoint; before, it exits at once
+        (worker/preemption.py)."""
+        if self.preemption is not None:
+            self.preemption.arm()
+
     # ---- the step boundary ---------------------------------------------------------------
     @property
     def votes_needed(self) -> bool:
@@ -431,6 +438,8 @@ class WorkerRuntime:
         with the rest; without it and with nothing that can stop the loop, no collective
         is made.
         """
+        if self.preemption is not None and not self.preemption.armed:
+            self.preemption.arm()  # a loop that never restored: it trains, so it holds it
         stop = self.preemption is not None and self.preemption.requested
         save_failed = self.save_failure.vote()
         reform = self.live is not None and self.live.reform_due

@@ -308,6 +308,7 @@ class ElasticSession:
             self.runtime.start(total_steps=None)
             restored = self.runtime.restore(self._objects)
             step = 0 if restored is None else restored.step
+        self.runtime.hold_state()
         if live is not None:
             for obj in objects.values():
                 self._skip_failed_steps(obj)

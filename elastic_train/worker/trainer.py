@@ -270,6 +270,7 @@ class Trainer:
             self.runtime.start(total_steps=cfg.steps, threads=torch.get_num_threads(),
                                config=self.config.to_dict())
             restored = self.runtime.restore(self._stateful())
+        self.runtime.hold_state()
         if live is not None:
             live.ready()
             live.start()
