@@ -151,10 +151,19 @@ class CheckpointManager:
                 ) -> dict[str, Any]:
         """Rank 0: the newest of the agents' memory snapshot and the newest durable
         checkpoint that verifies and fits (memory wins a tie), or why there is none."""
-        durable = self._choose_durable(shapes)
-        held = self._held_in_memory() if use_memory and "error" not in durable else None
-        if held is None or (durable.get("step") is not None and held["step"] < durable["step"]):
-            return durable
+        held = self._held_in_memory() if use_memory else None
+        if held is not None and held["step"] >= max(
+                (info.step for info in self.store.list()), default=-1):
+            # Nothing durable is newer: no payload is read (or downloaded) to verify it.
+            for path in self.store.remove_leftovers():
+                log.warning("removed %s, left by a save or deletion that did not finish", path)
+                self.events.emit(CheckpointLeftoverRemoved(path=str(path)))
+        else:
+            durable = self._choose_durable(shapes)
+            if held is None or "error" in durable or (
+                    durable.get("step") is not None and held["step"] < durable["step"]):
+                return durable
+        assert held is not None
         return {"step": held["step"], "path": f"memory of {', '.join(held['held_by'])}",
                 "world_size": held.get("world_size"), "model_digest": held.get("model_digest"),
                 "time": held.get("time"), "memory": held["manifest"]}
