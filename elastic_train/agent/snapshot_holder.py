@@ -43,7 +43,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from elastic_train.agent.environment import set_for_workers
-from elastic_train.checkpoint.persister import lower_thread_priority
 from elastic_train.errors import ElasticTrainError
 from elastic_train.live.environment import MEMORY_TIER
 from elastic_train.live.memory_tier import (
@@ -67,6 +66,7 @@ from elastic_train.live.memory_tier import (
     replica_order,
     same_snapshot,
 )
+from elastic_train.thread_priority import lower_thread_priority
 
 __all__ = ["DEFAULT_MAX_BYTES", "SnapshotHolder", "held_for_workers", "holder_address",
            "parse_size"]
