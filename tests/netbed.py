@@ -170,7 +170,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _state(pid: int) -> str:
+def process_state(pid: int) -> str:
     """The process's state letter from /proc (``T``: stopped; ``""``: gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -344,7 +344,7 @@ class Host:
         """SIGSTOP every process of the host (until all are stopped); the time of the stop."""
         at = time.time()
         _signal_until(self.ns, signal.SIGSTOP,
-                      lambda pids: all(_state(p) in ("T", "t", "") for p in pids),
+                      lambda pids: all(process_state(p) in ("T", "t", "") for p in pids),
                       f"freeze {self.name}", timeout)
         return at
 
@@ -352,7 +352,7 @@ class Host:
         """SIGCONT every process of the host; the time of the first SIGCONT."""
         at = time.time()
         _signal_until(self.ns, signal.SIGCONT,
-                      lambda pids: all(_state(p) not in ("T", "t") for p in pids),
+                      lambda pids: all(process_state(p) not in ("T", "t") for p in pids),
                       f"thaw {self.name}", timeout)
         return at
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tests import tools
+from tests.netbed import process_state
 
 if TYPE_CHECKING:
     from tests.netbed import Host
@@ -77,15 +78,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (``T``: stopped; ``""``: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 class S3Server:
@@ -196,10 +188,10 @@ class S3Server:
         at = time.time()
         os.killpg(self.proc.pid, sig)
         deadline = time.monotonic() + SIGNAL_TIMEOUT
-        while (_state(self.proc.pid) == "T") != stopped:
+        while (process_state(self.proc.pid) == "T") != stopped:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"moto_server {self.proc.pid}: state "
-                                   f"{_state(self.proc.pid)!r} {SIGNAL_TIMEOUT:g} s after "
+                                   f"{process_state(self.proc.pid)!r} {SIGNAL_TIMEOUT:g} s after "
                                    f"signal {sig}")
             time.sleep(0.005)
         return at

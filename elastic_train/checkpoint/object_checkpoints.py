@@ -41,11 +41,11 @@ from elastic_train.checkpoint.storage import (
     Serialized,
     Verdict,
     build_manifest,
-    format_problem,
     load_payload,
     manifest_problem,
     serialize,
     step_dirname,
+    unreadable_verdict,
 )
 from elastic_train.errors import CheckpointCorruptError, StorageError
 
@@ -126,7 +126,7 @@ class ObjectCheckpointStore:
                 before_commit()
             old = self.objects.get(self._key(directory, MANIFEST))
             if old is not None:  # a checkpoint no restore took (corrupt, superseded)
-                self._set_aside_dir(directory, keep={payload_key})
+                self._set_aside_dir(directory, keep=frozenset({payload_key}))
             self.objects.put(self._key(directory, MANIFEST),
                              json.dumps(manifest, indent=1, sort_keys=True).encode())
             hook("renamed")
@@ -138,7 +138,7 @@ class ObjectCheckpointStore:
             raise
         return CheckpointInfo(self._url(directory), step, manifest)
 
-    def _set_aside_dir(self, directory: str, keep: set[str] = frozenset()) -> ObjectPath:  # type: ignore[assignment]
+    def _set_aside_dir(self, directory: str, keep: frozenset[str] = frozenset()) -> ObjectPath:
         """Copy a step's objects to ``step-N.corrupt-…`` and delete them there (manifest
         first): out of every listing and of retention's count, the bytes kept."""
         aside = f"{directory}.corrupt-{int(time.time())}-{secrets.token_hex(2)}"
@@ -191,11 +191,10 @@ class ObjectCheckpointStore:
 
     def verify(self, info: CheckpointInfo) -> Verdict:
         """Check the manifest, the format version and every payload's size and sha256."""
-        if info.manifest is None:
-            return Verdict(info, False, info.problem)
-        problem = format_problem(info.manifest)
-        if problem is not None:
-            return Verdict(info, False, problem)
+        refused = unreadable_verdict(info)
+        if refused is not None:
+            return refused
+        assert info.manifest is not None
         directory = step_dirname(info.step)
         sizes = {o.key: o.size for o in getattr(info, "objects", ())} or {
             o.key: o.size for o in self.objects.list(self._key(directory) + "/")}

@@ -163,6 +163,15 @@ def manifest_problem(manifest: Any, step: int) -> str | None:
     return None
 
 
+def unreadable_verdict(info: CheckpointInfo) -> Verdict | None:
+    """The verdict on a checkpoint whose manifest is unreadable or of another format
+    version, before any payload is read (None: its payloads are to be checked)."""
+    if info.manifest is None:
+        return Verdict(info, False, info.problem)
+    problem = format_problem(info.manifest)
+    return None if problem is None else Verdict(info, False, problem)
+
+
 def format_problem(manifest: Mapping[str, Any]) -> str | None:
     """Why a checkpoint of another format version cannot be read (None: it can)."""
     version = manifest.get("format_version")
@@ -359,11 +368,9 @@ class CheckpointStore:
 
     def verify(self, info: CheckpointInfo) -> Verdict:
         """Check the manifest, the format version and every payload file's size and sha256."""
-        if info.manifest is None:
-            return Verdict(info, False, info.problem)
-        problem = format_problem(info.manifest)
-        if problem is not None:
-            return Verdict(info, False, problem)
+        refused = unreadable_verdict(info)
+        if refused is not None:
+            return refused
         checked = 0
         for name, expected in info.manifest["files"].items():
             path = info.path / name
