@@ -146,7 +146,7 @@ def test_freeze_is_silence_and_thaw_answers(netbed: Factory) -> None:
     a, b = bed.hosts
     conn = echo_server(b, a)
     b.freeze()
-    assert all(nb._state(pid) == "T" for pid in b.pids())
+    assert all(nb.process_state(pid) == "T" for pid in b.pids())
     with pytest.raises(TimeoutError):
         exchange(conn, b"frozen?", timeout=SILENCE)
     b.thaw()
@@ -259,7 +259,7 @@ def test_a_killed_owner_leaves_no_process_and_the_next_bed_sweeps_its_namespaces
         owner.kill()
         owner.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while nb._alive(int(pid)) and nb._state(int(pid)) != "Z":
+    while nb._alive(int(pid)) and nb.process_state(int(pid)) != "Z":
         assert time.monotonic() < deadline, "the host's process outlived its owner"
         time.sleep(0.01)
     assert set(names) <= set(nb.sweep_stale())
