@@ -23,6 +23,9 @@ The protocol is live/memory_tier.py's; the workers' client is worker/memory_tier
   ``secrets.token_urlsafe``); a wrong one is refused (401) and nothing is kept.
 - It listens on the address the agent uses for the job (``holder_address``), on a port
   the kernel picks.
+- **Written behind**: with an ``s3://`` run directory the holder also uploads the payload
+  it keeps to the run's object store when its worker asks (``POST UPLOAD_PATH``,
+  agent/write_behind.py), so the training process never runs the upload.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from elastic_train.agent.environment import set_for_workers
+from elastic_train.agent.write_behind import PayloadUploads, UploadFailed
 from elastic_train.errors import ElasticTrainError
 from elastic_train.live.environment import MEMORY_TIER
 from elastic_train.live.memory_tier import (
@@ -54,6 +58,7 @@ from elastic_train.live.memory_tier import (
     PAYLOAD_PATH,
     REPLICA_HEADER,
     SNAPSHOT_PATH,
+    UPLOAD_PATH,
     Endpoint,
     HolderEntry,
     Response,
@@ -154,6 +159,8 @@ class SnapshotHolder:
         self.max_bytes = max_bytes
         self.token = token or secrets.token_urlsafe(32)
         self._held: dict[str, _Held] = {}
+        self.uploads = PayloadUploads()
+        """The payloads it uploads to the run's object store for its workers."""
         self._lock = threading.Lock()
         self._peers: list[HolderEntry] = []
         self._down_until: dict[str, float] = {}
@@ -349,6 +356,15 @@ def _error_of(answer: Response) -> str:
         return answer.body[:200].decode(errors="replace")
 
 
+def _wanted(query: Mapping[str, str]) -> dict[str, Any] | None:
+    """The snapshot a query names (``payload_query``); None when it names none."""
+    try:
+        return {"run_id": query["run_id"], "writer_epoch": int(query["writer_epoch"]),
+                "step": int(query["step"]), "sha256": query["sha256"]}
+    except (KeyError, ValueError):
+        return None
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "elastic-train-memory-tier"
     protocol_version = "HTTP/1.0"
@@ -460,12 +476,49 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._answer(404, {"error": f"no {path} here"})
 
+    def do_POST(self) -> None:
+        lower_thread_priority()  # the upload, like the local writer: never before training
+        holder = self.server.holder
+        path, query = self._query()
+        length = self._length()
+        if not holder.authorized(self.headers.get(AUTHORIZATION)):
+            self._refuse(401, "wrong or missing bearer token", length)
+            return
+        if path != UPLOAD_PATH:
+            self._refuse(404, f"no {path} here (POST {UPLOAD_PATH})", length)
+            return
+        if not 0 < length <= MAX_MANIFEST_BYTES:
+            self._refuse(400, f"give a JSON body of at most {MAX_MANIFEST_BYTES} bytes", length)
+            return
+        wanted = _wanted(query)
+        try:
+            body = json.loads(self.rfile.read(length))
+            url, options = body["url"], body.get("storage") or {}
+            if wanted is None or not isinstance(url, str) or not isinstance(options, dict):
+                raise ValueError("give run_id, writer_epoch, step, sha256 and a body "
+                                 '{"url": "s3://...", "storage": {...}}')
+        except (ValueError, KeyError, TypeError) as exc:
+            self._answer(400, {"error": str(exc)})
+            return
+        payload = holder.local_payload(wanted)
+        if payload is None:
+            self._answer(404, {"error": f"step {wanted['step']} (writer epoch "
+                                        f"{wanted['writer_epoch']}) is not held here"})
+            return
+        try:
+            seconds = holder.uploads.upload(payload, url, options)
+        except ValueError as exc:
+            self._answer(400, {"error": str(exc)})
+            return
+        except UploadFailed as exc:
+            self._answer(502, {"error": str(exc), "kind": exc.kind})
+            return
+        self._answer(200, {"seconds": round(seconds, 6)})
+
     def _payload(self, query: Mapping[str, str], ask_peers: bool) -> None:
         holder = self.server.holder
-        try:
-            wanted = {"run_id": query["run_id"], "writer_epoch": int(query["writer_epoch"]),
-                      "step": int(query["step"]), "sha256": query["sha256"]}
-        except (KeyError, ValueError):
+        wanted = _wanted(query)
+        if wanted is None:
             self._answer(400, {"error": "give run_id, writer_epoch, step and sha256"})
             return
         local = holder.local_payload(wanted)

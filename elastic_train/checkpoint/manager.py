@@ -29,6 +29,8 @@ from typing import Any, Protocol
 import torch
 
 from elastic_train.checkpoint.fence import WriterFence, superseded
+from elastic_train.checkpoint.object_checkpoints import ObjectCheckpointStore, PayloadUpload
+from elastic_train.checkpoint.object_store import ObjectStore
 from elastic_train.checkpoint.persister import BackgroundPersister
 from elastic_train.checkpoint.snapshot import (
     PendingCopies,
@@ -53,7 +55,9 @@ from elastic_train.errors import (
     CheckpointMismatchError,
     CheckpointWriteError,
     ElasticTrainError,
+    MemoryTierError,
     StorageError,
+    StorageRefusedError,
 )
 from elastic_train.observe.event_schema import (
     CheckpointDeleted,
@@ -82,6 +86,9 @@ class MemoryTier(Protocol):
     def newest(self) -> dict[str, Any] | None: ...
 
     def fetch(self, manifest: Mapping[str, Any]) -> bytes: ...
+
+    def upload(self, manifest: Mapping[str, Any], url: str,
+               client_options: Mapping[str, Any]) -> float: ...
 
 
 class _MemoryRestoreFailed(Exception):
@@ -119,6 +126,10 @@ class CheckpointManager:
         self.memory_copies: int | None = None
         """How many agents hold the newest snapshot in memory (None: not offered)."""
         self.memory_seconds: float | None = None
+        self.uploaded_by: str | None = None
+        """Who uploaded the last payload to an object store: ``agent`` (written behind the
+        memory tier) or ``worker``; None on a filesystem."""
+        self._upload_behind_failed = False
         self.on_commit = on_commit
         """Called after each checkpoint is committed (an object store's logs follow it)."""
         self.fence = fence
@@ -365,7 +376,7 @@ class CheckpointManager:
                 persist_seconds=round(time.monotonic() - began, 6),
                 persist_cpu_seconds=round(time.thread_time() - cpu_began, 6),
                 waited_seconds=round(waited, 6),
-                memory_copies=self.memory_copies,
+                memory_copies=self.memory_copies, uploaded_by=self.uploaded_by,
                 memory_seconds=None if self.memory_seconds is None
                 else round(self.memory_seconds, 6)))
 
@@ -457,16 +468,18 @@ class CheckpointManager:
         if self.fence is not None and self.epoch is not None:
             self.fence.check(self.epoch, step)
 
-    def _offer(self, step: int, payload: Serialized, meta: Mapping[str, Any]) -> None:
-        """Give the agents' memory tier the snapshot before the durable write; a failure
-        is said once per outage and never fails the save."""
+    def _offer(self, step: int, payload: Serialized, meta: Mapping[str, Any]
+               ) -> dict[str, Any] | None:
+        """Give the agents' memory tier the snapshot before the durable write; the
+        manifest it holds it under (None: not held). A failure is said once per outage
+        and never fails the save."""
         assert self.memory is not None
         began = time.monotonic()
         self.memory_copies = self.memory_seconds = None
         try:
             self._check_fence(step)  # a stale world offers nothing either
         except (CheckpointFencedError, StorageError):
-            return  # the durable write meets the same and reports it
+            return None  # the durable write meets the same and reports it
         manifest = {"writer_epoch": self.epoch if self.epoch is not None else 0, "step": step,
                     "sha256": payload.sha256, "bytes": payload.bytes,
                     "world_size": meta.get("world_size"), "time": time.time(),
@@ -478,9 +491,35 @@ class CheckpointManager:
                 log.warning("the agents' memory tier did not take checkpoint %d (%s): the "
                             "durable store has it (said once per outage)", step, exc)
             self._memory_failed = True
-            return
+            return None
         self._memory_failed = False
         self.memory_seconds = time.monotonic() - began
+        return manifest
+
+    def _upload_behind(self, offered: Mapping[str, Any]) -> PayloadUpload:
+        """The agent's holder uploads the payload it was just offered (the object store
+        written behind the memory tier, agent/write_behind.py); this process uploads it
+        itself where the holder could not try, or its credentials were refused (this
+        process may hold others)."""
+        memory = self.memory
+        assert memory is not None
+
+        def upload(objects: ObjectStore, key: str, payload: Serialized) -> bool:
+            url = f"s3://{objects.location.bucket}/{key}"
+            try:
+                memory.upload(offered, url, objects.client_options())
+            except (MemoryTierError, StorageRefusedError) as exc:
+                if not self._upload_behind_failed:
+                    log.warning("the agent did not upload checkpoint %s (%s): this worker "
+                                "uploads it (said once per outage)", offered["step"], exc)
+                self._upload_behind_failed = True
+                self.uploaded_by = "worker"
+                return False
+            self._upload_behind_failed = False
+            self.uploaded_by = "agent"
+            return True
+
+        return upload
 
     def persist(self, step: int, snapshot: Mapping[str, Any]) -> CheckpointInfo:
         """Write a snapshot atomically, then apply retention (raises CheckpointWriteError)."""
@@ -493,14 +532,20 @@ class CheckpointManager:
             "model_shapes": tensor_shapes(model_state),
         }
         payload: Mapping[str, Any] | Serialized = snapshot
-        if self.memory is not None or not isinstance(self.store, CheckpointStore):
+        in_object_store = isinstance(self.store, ObjectCheckpointStore)
+        if self.memory is not None or in_object_store:
             payload = serialize(snapshot)  # once: for the memory tier and the object store
+        offered = None
         if self.memory is not None:
             assert isinstance(payload, Serialized)
-            self._offer(step, payload, meta)
+            offered = self._offer(step, payload, meta)
+        self.uploaded_by = "worker" if in_object_store else None
+        extra: dict[str, Any] = {}
+        if offered is not None and in_object_store:
+            extra["upload"] = self._upload_behind(offered)
         try:
             info = self.store.write(step, payload, meta,
-                                    before_commit=lambda: self._check_fence(step))
+                                    before_commit=lambda: self._check_fence(step), **extra)
         except CheckpointFencedError as exc:
             self.fenced = exc
             log.error("%s", exc)

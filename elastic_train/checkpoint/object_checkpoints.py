@@ -22,7 +22,6 @@ and unpickles nothing but tensors (``weights_only``).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 import secrets
@@ -48,10 +47,15 @@ from elastic_train.checkpoint.storage import (
     unreadable_verdict,
 )
 from elastic_train.errors import CheckpointCorruptError, StorageError
+from elastic_train.live.memory_tier import PAYLOAD_KEY
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_PAYLOAD = re.compile(r"/step-\d{8,}/state-[0-9a-f]{12}\.pt$")
+_PAYLOAD = PAYLOAD_KEY
 """A payload this store wrote: the only objects housekeeping ever deletes."""
+
+PayloadUpload = Callable[[ObjectStore, str, Serialized], bool]
+"""Uploads a save's payload to ``(store, key)`` for it: the agent's holder, which keeps
+the same bytes (agent/write_behind.py). False: it could not try, the store uploads it."""
 
 
 class ObjectPath(str):
@@ -101,13 +105,15 @@ class ObjectCheckpointStore:
     # ---- writing -------------------------------------------------------------------------
     def write(self, step: int, payload: Mapping[str, Any] | Serialized, meta: Mapping[str, Any],
               *, fault_hook: Any = None,
-              before_commit: Callable[[], None] | None = None) -> CheckpointInfo:
+              before_commit: Callable[[], None] | None = None,
+              upload: PayloadUpload | None = None) -> CheckpointInfo:
         """Upload ``payload`` as checkpoint ``step``, manifest last; return its info.
 
         ``fault_hook(stage)`` is called between the stages (tests crash there);
         ``before_commit()`` runs just before the manifest is written; what it raises
-        abandons the save (the writer fence). A failure removes this save's payload and
-        leaves every committed checkpoint as it was.
+        abandons the save (the writer fence). ``upload``, when given, uploads the payload
+        instead of this process (the commit stays here). A failure removes this save's
+        payload and leaves every committed checkpoint as it was.
         """
         hook = fault_hook or (lambda stage: None)
         directory = step_dirname(step)
@@ -117,7 +123,8 @@ class ObjectCheckpointStore:
         serialized = payload if isinstance(payload, Serialized) else serialize(payload)
         hook("payload-written")
         try:
-            self.objects.upload(payload_key, io.BytesIO(serialized.data))
+            if upload is None or not upload(self.objects, payload_key, serialized):
+                self.objects.upload(payload_key, serialized.data)
             hook("payload-synced")
             manifest = build_manifest(step, meta, {name: {"bytes": serialized.bytes,
                                                           "sha256": serialized.sha256}})

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -70,6 +70,44 @@ class ObjectLocation:
         return f"{SCHEME}{self.bucket}/{self.key(*parts)}".rstrip("/")
 
 
+CLIENT_OPTIONS = ("endpoint_url", "region", "profile", "addressing_style", "connect_timeout",
+                  "read_timeout", "max_attempts")
+"""The ``StorageConfig`` fields that shape a client: what another process (the agent that
+uploads behind the memory tier, agent/write_behind.py) needs to reach a store as this one
+does. Never credentials: those come from that process's own chain."""
+
+
+class BytesReader(io.RawIOBase):
+    """A seekable file object over bytes already in memory, without copying them whole
+    (``io.BytesIO`` of a memoryview or bytearray copies): what an upload reads from."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        n = max(0, min(len(target), len(self._view) - self._pos))
+        target[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
 @dataclass(frozen=True)
 class Listed:
     """One object of a listing."""
@@ -86,6 +124,31 @@ class ObjectStore:
         self.options = options or StorageConfig()
         self._client: Any = None
         self._pid = -1
+
+    @classmethod
+    def for_url(cls, url: str, client_options: Mapping[str, Any]) -> tuple[ObjectStore, str]:
+        """``(store, key)`` for one object's URL, reached with another process's
+        ``client_options()``. Raises ``ValueError`` naming what is wrong with them."""
+        location = ObjectLocation.parse(url)
+        unknown = sorted(set(client_options) - set(CLIENT_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown storage options {', '.join(unknown)}")
+        for name, value in client_options.items():
+            numeric = name in ("connect_timeout", "read_timeout", "max_attempts")
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float) if numeric else str)):
+                raise ValueError(f"storage option {name} is not a "
+                                 f"{'number' if numeric else 'string'}")
+        options = StorageConfig(**{k: v for k, v in client_options.items() if v is not None})
+        return cls(ObjectLocation(location.bucket, ""), options), location.prefix
+
+    def client_options(self) -> dict[str, Any]:
+        """What another process needs to reach this store as this one does (``for_url``):
+        the client's options, the endpoint as this process resolves it."""
+        options = {name: getattr(self.options, name) for name in CLIENT_OPTIONS}
+        if self.endpoint != "AWS S3":
+            options["endpoint_url"] = self.endpoint
+        return options
 
     # ---- the client ----------------------------------------------------------------------
     @property
@@ -116,7 +179,13 @@ class ObjectStore:
             s3={"addressing_style": style},
             connect_timeout=opts.connect_timeout, read_timeout=opts.read_timeout,
             retries={"max_attempts": opts.max_attempts, "mode": "standard"},
-            max_pool_connections=16)
+            max_pool_connections=16,
+            # botocore >= 1.36 sends CRC checksums with every upload by default, which many
+            # S3-compatible servers refuse (GCS, R2, older MinIO, OVH: boto/boto3#4392);
+            # a custom endpoint gets them only where an operation requires them. The
+            # manifest's sha256, checked at every verify and load, covers the bytes anyway.
+            **({"request_checksum_calculation": "when_required",
+                "response_checksum_validation": "when_required"} if custom else {}))
         session = boto3.session.Session(profile_name=opts.profile) if opts.profile \
             else boto3.session.Session()
         kwargs: dict[str, Any] = {"config": config}
@@ -199,11 +268,14 @@ class ObjectStore:
             raise self._failure(exc, "writing", key) from exc
         return True
 
-    def upload(self, key: str, data: IO[bytes]) -> None:
-        """Write one object from a file object; large ones in parts, visible only once
-        every part is in (a crash leaves an incomplete upload, never a partial object)."""
+    def upload(self, key: str, data: IO[bytes] | bytes | bytearray | memoryview) -> None:
+        """Write one object from a file object or bytes in memory; large ones in parts,
+        visible only once every part is in (a crash leaves an incomplete upload, never a
+        partial object)."""
         from boto3.s3.transfer import TransferConfig
 
+        if isinstance(data, bytes | bytearray | memoryview):
+            data = BytesReader(data)
         config = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD,
                                 multipart_chunksize=MULTIPART_THRESHOLD // 2,
                                 max_concurrency=4, use_threads=True)

@@ -20,19 +20,29 @@ Every request carries ``Authorization: Bearer TOKEN`` (the token of the holder c
   the newest of this holder's and (``peers=1``) its peers'.
 - ``GET PAYLOAD_PATH?run_id=R&writer_epoch=E&step=S&sha256=H&peers=1``: the payload's
   bytes, from this holder or (``peers=1``) through it from a peer that holds them; 404.
+- ``POST UPLOAD_PATH?run_id=R&writer_epoch=E&step=S&sha256=H`` (the object store written
+  behind the memory tier): the body is JSON ``{"url": "s3://BUCKET/KEY", "storage": {...}}``
+  (``storage``: the worker's ``StorageConfig`` fields that reach a store, its endpoint
+  resolved); the holder uploads the payload it keeps to that object with its own process's
+  credentials and answers once it is in: 200 ``{"seconds": T}``. 400 (a bad body, or a key
+  that is not a checkpoint payload's: ``PAYLOAD_KEY``, the only objects a holder writes),
+  401, 404 (not held here), 502 ``{"error": LINE, "kind": "refused" | "unavailable" |
+  "config"}`` (what the store or the agent's S3 client said).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["AUTHORIZATION", "BEARER", "HOLDER_KEY", "MANIFEST_HEADER", "MAX_MANIFEST_BYTES",
-           "NEWEST_PATH", "PAYLOAD_PATH", "REPLICA_HEADER", "REQUIRED", "SNAPSHOT_PATH",
+           "NEWEST_PATH", "PAYLOAD_KEY", "PAYLOAD_PATH", "REPLICA_HEADER", "REQUIRED",
+           "SNAPSHOT_PATH", "UPLOAD_PATH",
            "Endpoint", "HolderEntry", "Response", "call", "check_manifest", "encode_manifest",
            "is_newer",
            "newest_of", "payload_query", "replica_order", "same_snapshot", "snapshot_key"]
@@ -40,6 +50,7 @@ __all__ = ["AUTHORIZATION", "BEARER", "HOLDER_KEY", "MANIFEST_HEADER", "MAX_MANI
 SNAPSHOT_PATH = "/v1/snapshot"
 NEWEST_PATH = "/v1/newest"
 PAYLOAD_PATH = "/v1/payload"
+UPLOAD_PATH = "/v1/upload"
 AUTHORIZATION = "Authorization"
 BEARER = "Bearer "
 MANIFEST_HEADER = "X-Elastic-Train-Manifest"
@@ -47,6 +58,10 @@ REPLICA_HEADER = "X-Elastic-Train-Replica"
 MAX_MANIFEST_BYTES = 16 * 1024
 """A manifest travels in a header: its JSON stays under this."""
 REQUIRED = ("run_id", "writer_epoch", "step", "sha256", "bytes")
+PAYLOAD_KEY = re.compile(r"(?:^|/)step-\d{8,}/state-[0-9a-f]{12}\.pt$")
+"""An object store key that names a checkpoint's payload (checkpoint/object_checkpoints.py
+names every payload so): the only objects a holder uploads, and the only ones an object
+checkpoint store's housekeeping deletes."""
 HOLDER_KEY = "elastic_train/memory_tier/holder/{rank}"
 """Where the agent of group rank ``rank`` publishes its holder, in a rendezvous round's
 store (per round: a new round's agents publish again)."""
@@ -106,9 +121,10 @@ def newest_of(manifests: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] |
     return dict(best) if best is not None else None
 
 
-def payload_query(manifest: Mapping[str, Any], peers: bool) -> str:
-    """``PAYLOAD_PATH`` with the query that names ``manifest``'s payload."""
-    return PAYLOAD_PATH + "?" + urllib.parse.urlencode({
+def payload_query(manifest: Mapping[str, Any], peers: bool, path: str = PAYLOAD_PATH) -> str:
+    """``path`` (``PAYLOAD_PATH``, ``UPLOAD_PATH``) with the query that names
+    ``manifest``'s payload."""
+    return path + "?" + urllib.parse.urlencode({
         "run_id": manifest["run_id"], "writer_epoch": manifest["writer_epoch"],
         "step": manifest["step"], "sha256": manifest["sha256"], "peers": int(peers)})
 

@@ -288,7 +288,8 @@ class CheckpointSaved(EventRecord):
     omitted_when_none: ClassVar[frozenset[str]] = frozenset({"copy_seconds",
                                                              "copy_wait_seconds",
                                                              "memory_copies",
-                                                             "memory_seconds"})
+                                                             "memory_seconds",
+                                                             "uploaded_by"})
     step: int
     path: str
     reason: str
@@ -305,6 +306,9 @@ class CheckpointSaved(EventRecord):
     """Agents' memory holding it (the memory tier; None: no tier)."""
     memory_seconds: float | None = None
     """From the persist's start until the memory copies were held."""
+    uploaded_by: str | None = None
+    """Who uploaded the payload to an object store: ``agent`` (its holder, written behind
+    the memory tier) or ``worker``; None on a filesystem."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,10 @@ means "memory tier unavailable" and the durable write goes on) and, at a restart
 ``newest()`` with the newest durable checkpoint; every rank then ``fetch``es the payload
 (checked against the manifest's sha256 and length) and loads it itself, weights only. The
 holder copies each snapshot to a second node and answers for its peers, so a worker only
-ever talks to its own agent. Every call is bounded (``CONNECT_SECONDS``, ``IO_SECONDS``).
+ever talks to its own agent. With an ``s3://`` run directory the manager then asks the
+holder to ``upload`` the offered bytes to the payload's object (agent/write_behind.py):
+the training process runs no bulk S3 work. Every call is bounded (``CONNECT_SECONDS``,
+``IO_SECONDS``).
 Protocol: live/memory_tier.py; the holder: agent/snapshot_holder.py.
 """
 
@@ -16,15 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from elastic_train.errors import MemoryTierError
+from elastic_train.errors import MemoryTierError, StorageRefusedError, StorageUnavailableError
 from elastic_train.live.memory_tier import (
     MANIFEST_HEADER,
     NEWEST_PATH,
     SNAPSHOT_PATH,
+    UPLOAD_PATH,
     Endpoint,
     Response,
     call,
@@ -45,6 +50,9 @@ a payload moves in many reads, each bounded."""
 COPY_RATE = 100e6
 """Bytes per second a holder's copy to its peer is given, on top of ``IO_SECONDS``, before
 an offer stops waiting for its answer (the copy is made before the holder answers)."""
+UPLOAD_RATE = 5e6
+"""The slowest upload to an object store an ``upload`` waits out (bytes per second), on
+top of every retry its client options allow, before it gives up on the holder."""
 
 
 class MemoryTierClient:
@@ -94,6 +102,34 @@ class MemoryTierClient:
         data = answer.json()
         self.held_by = [str(u) for u in data.get("held_by", [])]
         return int(data.get("copies", 1))
+
+    def upload(self, manifest: Mapping[str, Any], url: str, client_options: Mapping[str, Any]
+               ) -> float:
+        """Have the holder upload the payload ``manifest`` names (offered before) to the
+        object ``url``, reached with ``client_options`` (``ObjectStore.client_options``);
+        the seconds the holder took, once the bytes are in.
+
+        Raises ``MemoryTierError`` when the holder could not try (it holds that step no
+        more, it is gone, its agent has no S3 client for these options: the caller
+        uploads itself) and the store's own error (``StorageRefusedError``,
+        ``StorageUnavailableError``, its line) when the holder tried and the store said no."""
+        checked = self._checked({"run_id": self.run_id, **manifest})
+        body = json.dumps({"url": url, "storage": dict(client_options)}).encode()
+        attempts = int(client_options.get("max_attempts") or 3)
+        patience = (float(client_options.get("connect_timeout") or 5.0)
+                    + float(client_options.get("read_timeout") or 20.0)) * attempts
+        answer = self._call("POST", payload_query(checked, peers=False, path=UPLOAD_PATH),
+                            body, {"Content-Type": "application/json"},
+                            IO_SECONDS + 2 * patience + checked["bytes"] / UPLOAD_RATE)
+        if answer.status == 200:
+            return float(answer.json().get("seconds", 0.0))
+        if answer.status == 502:
+            found = answer.json()
+            failure = {"refused": StorageRefusedError,
+                       "unavailable": StorageUnavailableError}.get(found.get("kind"))
+            if failure is not None:
+                raise failure(str(found.get("error", "")))
+        raise self._refused(answer, f"did not upload step {checked['step']} to {url}")
 
     def newest(self) -> dict[str, Any] | None:
         """The manifest of the newest snapshot of this run that the agents' holders keep

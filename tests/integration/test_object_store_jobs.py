@@ -6,6 +6,7 @@ server as a process on loopback; no run directory on any filesystem.
   weights equal, bit for bit, those of the same job trained without interruption on disk;
 - the endpoint frozen during a save: training goes on, the failure is recorded with the
   job's policy, the next checkpoints are written once it answers again, same weights;
+  every payload is uploaded by the agent behind its memory tier (agent/write_behind.py);
 - a resize from 2 to 3 workers through the object store: each sample once per epoch, read
   back from the nodes' uploaded sample records;
 - bad input (a missing bucket, refused credentials, an endpoint that is down, a foreign
@@ -137,6 +138,8 @@ def test_the_endpoint_down_during_a_save_training_goes_on(
         server.stop()
     assert failed["policy"] == "continue"
     assert f"object store {server.endpoint} is not reachable" in failed["error"], failed
+    # The agent uploaded every payload (its line is the store's), the worker committed.
+    assert {e["uploaded_by"] for e in events if e["event"] == "checkpoint_saved"} == {"agent"}
     steps = [e["step"] for e in events if e["event"] == "step"]
     assert steps == list(range(1, harness.TINY_DROPOUT_STEPS + 1))  # no step lost or redone
     saved = {r["step"] for r in rows["checkpoints"]}
@@ -265,7 +268,7 @@ def test_two_hosts_with_no_shared_path_restore_from_the_agents_memory(
     finally:
         for node in nodes:
             node.stop()
-    assert saved["memory_copies"] == 2, saved
+    assert saved["memory_copies"] == 2 and saved["uploaded_by"] == "agent", saved
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert [(e["source"], e["step"] >= saved["step"]) for e in loaded] == [("memory", True)], \
         loaded

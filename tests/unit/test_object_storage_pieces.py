@@ -3,13 +3,14 @@ and the one line each storage failure becomes (the real server: tests/integratio
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 from botocore import exceptions as bce
 
-from elastic_train.checkpoint.object_store import ObjectLocation, ObjectStore
+from elastic_train.checkpoint.object_store import BytesReader, ObjectLocation, ObjectStore
 from elastic_train.config import StorageConfig, parse_job_args, run_location, storage_from_options
 from elastic_train.errors import ConfigError, StorageRefusedError, StorageUnavailableError
 from elastic_train.rundir import RunDir, _parts, _write_merged
@@ -117,3 +118,38 @@ def test_a_growing_log_is_cut_where_it_was_cut_before() -> None:
     assert all(len(p) >= 500 and p.endswith(b"\n") for p in later[:-1])
     assert _parts(b"", size=500) == [b""] and _parts(b"no line end" * 100, size=5) == [
         b"no line end" * 100]
+
+
+def test_a_custom_endpoint_gets_checksums_only_where_required_and_aws_its_defaults() -> None:
+    """botocore >= 1.36 adds CRC checksums to every upload, which GCS, R2 and older MinIO
+    refuse (boto/boto3#4392): a custom endpoint is spared them; AWS keeps them."""
+    custom = ObjectStore(ObjectLocation("b", ""), StorageConfig(endpoint_url="http://s3.local"))
+    aws = ObjectStore(ObjectLocation("b", ""), StorageConfig(region="eu-west-1"))
+    assert custom.client.meta.config.request_checksum_calculation == "when_required"
+    assert custom.client.meta.config.response_checksum_validation == "when_required"
+    assert aws.client.meta.config.request_checksum_calculation == "when_supported"
+
+
+def test_another_process_reaches_the_store_with_its_client_options_and_no_secret(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3.local:9000")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hush")
+    mine = ObjectStore(ObjectLocation("b", "p"), StorageConfig(read_timeout=3.0))
+    options = mine.client_options()
+    assert options["endpoint_url"] == "http://s3.local:9000" and options["read_timeout"] == 3.0
+    assert "hush" not in repr(options) and "local_dir" not in options
+    theirs, key = ObjectStore.for_url("s3://b/p/checkpoints/step-00000001/state-0.pt", options)
+    assert key == "p/checkpoints/step-00000001/state-0.pt"
+    assert theirs.client_options() == options
+    with pytest.raises(ValueError, match="unknown storage options aws_secret_access_key"):
+        ObjectStore.for_url("s3://b/k", {"aws_secret_access_key": "x"})
+    with pytest.raises(ValueError, match="storage option read_timeout is not a number"):
+        ObjectStore.for_url("s3://b/k", {"read_timeout": "3"})
+
+
+def test_an_upload_reads_bytes_in_memory_without_copying_them_whole() -> None:
+    data = bytearray(range(256)) * 4
+    reader = BytesReader(memoryview(data))
+    assert reader.read(10) == bytes(data[:10]) and reader.tell() == 10
+    assert reader.seek(-6, io.SEEK_END) == len(data) - 6 and reader.read() == bytes(data[-6:])
+    assert reader.read(5) == b"" and reader.seek(0) == 0 and reader.read() == bytes(data)
