@@ -8,6 +8,8 @@ tier, against a local run directory, interleaved in one run.
     python benchmarks/object_store.py --nproc 1 --skip-restore   # a core left to the writer
                                                       # and the object store (tables 1, 2, 4)
     python benchmarks/object_store.py --skip-restore  # tables 1, 2 and 4 only
+    python benchmarks/object_store.py --store-priority idle      # the store takes only the
+                                                      # CPU training leaves, as a remote one
     python benchmarks/object_store.py --skip-steady   # table 3 only
     python benchmarks/object_store.py --recovery restart         # table 3 without live
 
@@ -120,6 +122,18 @@ def _job_args(p: Preset, every: int, tier: bool, recovery: str = "live") -> list
             "--memory-tier", "on" if tier else "off", "--recovery", recovery]
 
 
+STORE_PRIORITY: dict[str, bool] = {}
+"""How the object store's process is scheduled (``--store-priority``): ``normal`` (it takes
+CPU from training as the job's own threads do) or ``idle`` (Linux's SCHED_IDLE: it runs
+only where training leaves a core, as a remote endpoint's CPU is not the job's at all)."""
+
+
+def _idle(pid: int) -> None:
+    """Every thread of ``pid`` (and those it starts later: they inherit it) in SCHED_IDLE."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setscheduler(int(task), os.SCHED_IDLE, os.sched_param(0))
+
+
 @contextlib.contextmanager
 def _launched(tmp: Path, name: str, cfg: Config, args: list[str]) -> Iterator[harness.Job]:
     """``elastic-train run`` of ``args`` on a local run directory, or on ``s3://`` against
@@ -128,6 +142,8 @@ def _launched(tmp: Path, name: str, cfg: Config, args: list[str]) -> Iterator[ha
     run = tmp / name / "run"
     server = S3Server.start() if cfg.s3 else None
     try:
+        if server is not None and STORE_PRIORITY.get("idle"):
+            _idle(server.proc.pid)
         if server is not None:
             server.make_bucket(BUCKET)
             url, local = f"s3://{BUCKET}/{name}", tmp / name / "local"
@@ -424,7 +440,12 @@ def main() -> int:
     parser.add_argument("--skip-restore", action="store_true", help="no table 3")
     parser.add_argument("--recovery", default="restart,live", help="the --recovery of the "
                         "runs of table 3, one table each (comma-separated)")
+    parser.add_argument("--store-priority", choices=("normal", "idle"), default="normal",
+                        help="the object store's CPU priority: normal (default: it competes "
+                        "with training for the job's cores) or idle (SCHED_IDLE: it runs only "
+                        "where training leaves a core, as a remote endpoint takes none)")
     ns = parser.parse_args()
+    STORE_PRIORITY["idle"] = ns.store_priority == "idle"
     p = PRESETS[ns.preset]
     p = dataclasses.replace(p, steps=ns.steps or p.steps, every=ns.every or p.every)
     tmp = Path(tempfile.mkdtemp(prefix="et-object-store-"))
@@ -432,7 +453,8 @@ def main() -> int:
     print(f"# elastic_train object store benchmark ({time.strftime('%Y-%m-%d %H:%M')}, "
           f"runs in {tmp})")
     print(f"\n`{' '.join(['python', 'benchmarks/object_store.py', *sys.argv[1:]])}`; the object "
-          "store: moto_server on loopback, a fresh one per run, sharing the job's cores")
+          "store: moto_server on loopback, a fresh one per run, sharing the job's cores"
+          + (" at idle priority (SCHED_IDLE)" if ns.store_priority == "idle" else ""))
     if not ns.skip_steady:
         steady(tmp, dataclasses.replace(p, nproc=ns.nproc), p.every, ns.reps)
     if not ns.skip_restore:

@@ -20,6 +20,8 @@ at the first upload, never before the workers' server starts.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import threading
 import time
@@ -79,6 +81,8 @@ class PayloadUploads:
             if kind is None:
                 raise
             raise UploadFailed(kind, str(exc)) from None
+        finally:
+            _release_free_memory()
         seconds = time.monotonic() - started
         log.debug("memory tier: uploaded %s (%d bytes) in %.3fs", url, len(payload), seconds)
         return seconds
@@ -88,3 +92,13 @@ class PayloadUploads:
         name = repr((store.location.bucket, sorted(store.client_options().items())))
         with self._lock:
             return self._stores.setdefault(name, store)
+
+
+def _release_free_memory() -> None:
+    """Hand the upload's freed part buffers back to the system (glibc keeps what its
+    threads' arenas freed; an agent holds one checkpoint and should cost about that)."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc: nothing to trim
