@@ -34,6 +34,7 @@ from elastic_train.errors import ConfigError
 OptionValue = str | int | float | bool
 
 BATCH_POLICIES = ("constant", "scale-lr")
+PARALLELISMS = ("ddp", "fsdp", "hsdp")
 SAVE_FAILURE_POLICIES = ("continue", "stop")
 
 
@@ -69,6 +70,10 @@ class TrainConfig:
     log_every: int = 10
     record_samples: bool = False
     deterministic: bool = False
+    parallelism: str = "ddp"
+    """``ddp`` (a full replica per rank), ``fsdp`` or ``hsdp`` (sharded: worker/sharding.py)."""
+    replica_group_size: int = 0
+    """hsdp: the ranks that shard one replica (0: one group per node, --nproc-per-node)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class CheckpointConfig:
     keep: int = 3
     asynchronous: bool = True
     on_save_failure: str = "continue"
+    shard_timeout_seconds: float = 600.0
+    """How long rank 0 waits for every rank's shards of a sharded checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,13 @@ OPTIONS: tuple[Option, ...] = (
            "deterministic CUDA kernels (torch.use_deterministic_algorithms, "
            "CUBLAS_WORKSPACE_CONFIG): bitwise resume on a GPU, a little slower; the CPU "
            "is deterministic already", _bool, "BOOL"),
+    Option("--parallelism", "train", "parallelism",
+           "ddp (every rank holds the whole model), fsdp (parameters, gradients and "
+           "optimizer state sharded over every rank: FSDP2) or hsdp (sharded within replica "
+           "groups, replicated across them); sharded jobs write sharded checkpoints",
+           str, "KIND"),
+    Option("--replica-group-size", "train", "replica_group_size",
+           "hsdp: ranks that shard one replica (0: one group per node)", int, "N"),
     Option("--checkpoint-every", "checkpoint", "every_steps",
            "checkpoint every N steps ('off' to only use --checkpoint-interval)",
            _optional_positive_int, "N"),
@@ -352,6 +366,14 @@ def validate(config: JobConfig) -> JobConfig:
            "'cosine' or 'constant'")
     _check(t.grad_clip >= 0, "--grad-clip", t.grad_clip, ">= 0 (0 turns clipping off)")
     _check(t.log_every > 0, "--log-every", t.log_every, "a positive number of steps")
+    _check(t.parallelism in PARALLELISMS, "--parallelism", t.parallelism,
+           "'ddp', 'fsdp' or 'hsdp'")
+    _check(t.replica_group_size >= 0, "--replica-group-size", t.replica_group_size,
+           ">= 0 (0: one group per node)")
+    if t.parallelism != "ddp" and c.every_seconds is not None:
+        raise ConfigError(f"--checkpoint-interval {c.every_seconds} is not supported with "
+                          f"--parallelism {t.parallelism} yet: every rank writes its shards "
+                          "and must agree on the step; use --checkpoint-every N")
     _check(c.every_steps is None or c.every_steps > 0, "--checkpoint-every", c.every_steps,
            "a positive number of steps, or 'off'")
     _check(c.every_seconds is None or c.every_seconds > 0, "--checkpoint-interval",
@@ -373,6 +395,16 @@ def validate(config: JobConfig) -> JobConfig:
     _check(m.linger_seconds >= 0, "--metrics-linger", m.linger_seconds, ">= 0")
     _check(m.min_world_size >= 0, "--min-world-size", m.min_world_size, ">= 0 (0: not set)")
     return config
+
+
+def effective_recovery(config: JobConfig) -> str:
+    """The recovery the job gets: ``--recovery``, except that a sharded model
+    (``--parallelism fsdp|hsdp``) restarts every worker from its newest sharded checkpoint,
+    as torchrun does: live recovery of sharded state (a lost rank's shards from its replica
+    group, or from the newest checkpoint) is not built yet."""
+    if config.train.parallelism != "ddp":
+        return RecoveryMode.RESTART
+    return config.distributed.recovery
 
 
 def check_session_options(*, checkpoint_every: int | None, preemption_budget: float | None,

@@ -40,7 +40,7 @@ from elastic_train.agent.launch_options import (
 )
 from elastic_train.agent.snapshot_holder import DEFAULT_MAX_BYTES, parse_size
 from elastic_train.agent.worker_start import worker_processes, workers_released_on_close
-from elastic_train.config import JobConfig, RecoveryMode, parse_job_args
+from elastic_train.config import JobConfig, RecoveryMode, effective_recovery, parse_job_args
 from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.rendezvous.config import (
     parse_rdzv_conf,
@@ -473,7 +473,7 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
     args.module = not args.no_python
     try:
         _launch(args, job_args, ns.worker_start,
-                config.distributed.recovery if config is not None else RecoveryMode.LIVE,
+                effective_recovery(config) if config is not None else RecoveryMode.LIVE,
                 (["-m"] if ns.module else []) + list(script), ns.hot_spare == "on",
                 ns.peer_timeout, ns.memory_tier_limit if ns.memory_tier == "on" else None)
     except SignalException as exc:

@@ -18,6 +18,7 @@ from typing import BinaryIO
 
 import torch
 
+from elastic_train.checkpoint.sharded import SHARDED, full_tensors
 from elastic_train.checkpoint.storage import CheckpointInfo, CheckpointStore, model_digest
 from elastic_train.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
@@ -182,7 +183,14 @@ def export_checkpoint(store: CheckpointStore, out: Path, step: int | None = None
     """Write the model weights of checkpoint ``step`` (default: the newest that verifies)
     to ``out`` with ``write_weights``; the checkpoint is only read."""
     info = _choose(store, step)
-    payload = store.load(info, map_location="cpu")
+    if info.manifest is not None and SHARDED in info.manifest:  # gathered from its shards
+        if not isinstance(info.path, Path):
+            raise CheckpointError(f"checkpoint {info.path} is sharded: exporting one from an "
+                                  "object store is not supported yet; copy it to a disk")
+        payload: object = {"model": full_tensors(info.path, info.manifest[SHARDED]["tensors"],
+                                                 prefix="model/")}
+    else:
+        payload = store.load(info, map_location="cpu")
     model = payload.get("model") if isinstance(payload, dict) else None
     if not isinstance(model, Mapping):
         raise CheckpointError(f"checkpoint {info.path} holds no model weights (no 'model' "

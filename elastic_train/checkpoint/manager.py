@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from elastic_train.checkpoint import sharded
 from elastic_train.checkpoint.fence import WriterFence, superseded
 from elastic_train.checkpoint.object_checkpoints import ObjectCheckpointStore, PayloadUpload
 from elastic_train.checkpoint.object_store import ObjectStore
@@ -245,7 +246,8 @@ class CheckpointManager:
         from the run directory instead."""
         # Every rank must reach the memory tier (a plain torchrun node joined to ours has
         # no agent holder): else every rank restores from the run directory.
-        use_memory = distributed.all_true(self.group, self.memory is not None)
+        use_memory = distributed.all_true(
+            self.group, self.memory is not None and not sharded.is_sharded(objects["model"]))
         try:
             return self._restore(objects, use_memory=use_memory)
         except _MemoryRestoreFailed:
@@ -278,14 +280,15 @@ class CheckpointManager:
         failure: ElasticTrainError | None = None
         try:
             map_location = self.group.device if self.group.device.type == "cuda" else "cpu"
+            payload = None
             if from_memory is not None:
                 assert self.memory is not None
                 payload = load_payload(io.BytesIO(self.memory.fetch(from_memory)), path,
                                        map_location)
             else:
                 assert info is not None
-                payload = self.store.load(info, map_location=map_location)
-            for name, obj in objects.items():
+                payload = self._load_durable(info, objects, map_location)
+            for name, obj in (objects.items() if payload is not None else ()):
                 if name not in payload:
                     raise CheckpointMismatchError(
                         f"checkpoint {path} has no {name!r} state: it was written by another "
@@ -317,6 +320,25 @@ class CheckpointManager:
                                           else "memory"))
         return Restored(decision["step"], path, decision.get("world_size"), seconds)
 
+    def _load_durable(self, info: CheckpointInfo, objects: Mapping[str, Stateful],
+                      map_location: str | torch.device) -> dict[str, Any] | None:
+        """The payload of checkpoint ``info`` to load object by object; None when a sharded
+        checkpoint was loaded into ``objects`` already (resharded to this job's mesh)."""
+        if info.manifest is None:
+            info = self.store.read_info(info.path, info.step)
+        written_sharded = sharded.is_sharded_checkpoint(info.manifest)
+        if written_sharded != sharded.is_sharded(objects["model"]):
+            kinds = ("sharded (--parallelism fsdp or hsdp)", "unsharded (--parallelism ddp)")
+            raise CheckpointMismatchError(
+                f"checkpoint {info.path} is {kinds[not written_sharded]} and this job is "
+                f"{kinds[written_sharded]}: resume it with the --parallelism that wrote it, "
+                "or start a new --run-dir from its weights (elastic-train checkpoints "
+                "export)")
+        if written_sharded:
+            sharded.restore_into(info, objects, map_location)
+            return None
+        return self.store.load(info, map_location=map_location)
+
     # ---- save ----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         """Whether the policy asks for a checkpoint after ``step`` (rank 0's view)."""
@@ -341,6 +363,9 @@ class CheckpointManager:
         forward and backward run, and that optimizer's next ``step()`` waits for the copy
         (snapshot.py); the seconds it waited are the event's ``copy_wait_seconds``.
         """
+        if sharded.is_sharded(objects["model"]):
+            self._save_sharded(step, objects, reason, wait)
+            return
         if self.group.rank != 0:
             return
         waited = self._finish_pending()
@@ -387,6 +412,77 @@ class CheckpointManager:
                 persist()
             except CheckpointWriteError:
                 pass  # reported by _failed, handled by the policy like a background failure
+        else:
+            self._persister.submit(step, persist)
+
+    def _save_sharded(self, step: int, objects: Mapping[str, Stateful], reason: str,
+                      wait: bool) -> None:
+        """Every rank copies its shards (training waits for that alone) and writes them in
+        the background; rank 0 commits once every rank's are in (checkpoint/sharded.py)."""
+        waited = self._finish_pending()
+        if step == self.last_saved_step:
+            return
+        started, snapshot_at = time.monotonic(), time.time()
+        shot = sharded.snapshot(objects, self.group.rank, self.group.world_size,
+                                self._buffers)
+        snapshot_seconds = time.monotonic() - started
+        self._last_save_time = time.monotonic()
+        staging = sharded.staging_dir(self.store.root, step, self.epoch)
+
+        def persist() -> None:
+            began, cpu_began = time.monotonic(), time.thread_time()
+            try:
+                sharded.write_rank(staging, shot)
+            except OSError as exc:
+                error = CheckpointWriteError(step, self.store.root, exc.strerror or str(exc))
+                if self.group.rank == 0:
+                    self.events.emit(CheckpointFailed(step=step, error=str(exc),
+                                                      policy=self.policy.on_save_failure))
+                    if not wait:
+                        self._failed(error)
+                else:  # rank 0 waits for this rank's shard in vain and reports the save
+                    log.warning("rank %d could not write its shard of checkpoint %d: %s",
+                                self.group.rank, step, exc)
+                raise error from exc
+            if self.group.rank != 0:
+                self.last_saved_step = step
+                return
+            meta = {**self.meta, "writer_epoch": self.epoch}
+            try:
+                info = sharded.commit(self.store, step, staging, self.group.world_size, meta,
+                                      timeout=self.policy.shard_timeout_seconds,
+                                      before_commit=lambda: self._check_fence(step))
+            except CheckpointFencedError as exc:
+                self.fenced = exc
+                log.error("%s", exc)
+                self.events.emit(CheckpointFenced(step=step, epoch=exc.epoch,
+                                                  newer_epoch=exc.newer_epoch))
+                raise
+            except (OSError, StorageError) as exc:
+                why = str(exc) if isinstance(exc, StorageError) else exc.strerror or str(exc)
+                self.events.emit(CheckpointFailed(step=step, error=str(exc),
+                                                  policy=self.policy.on_save_failure))
+                error = CheckpointWriteError(step, self.store.root, why)
+                if not wait:
+                    self._failed(error)
+                raise error from exc
+            self._after_commit(step)
+            self.last_saved_step = step
+            self.saved += 1
+            self.events.emit(CheckpointSaved(
+                step=step, path=str(info.path), reason=reason, bytes=info.size_bytes,
+                model_digest=info.model_digest, snapshot_at=round(snapshot_at, 6),
+                snapshot_seconds=round(snapshot_seconds, 6),
+                persist_seconds=round(time.monotonic() - began, 6),
+                persist_cpu_seconds=round(time.thread_time() - cpu_began, 6),
+                waited_seconds=round(waited, 6)))
+
+        if wait or not self.policy.asynchronous:
+            try:
+                persist()
+            except CheckpointWriteError:
+                if wait:
+                    raise
         else:
             self._persister.submit(step, persist)
 
@@ -456,6 +552,7 @@ class CheckpointManager:
     def finish(self) -> None:
         """Wait for the persist in flight (shutdown); say how often saves waited."""
         if self.group.rank != 0:
+            self._finish_pending(report_wait=False)  # a sharded save's writer, if any
             return
         self._finish_pending(report_wait=False)
         if self.waits > 1 and self.waits != self._waits_told:
@@ -557,6 +654,11 @@ class CheckpointManager:
             self.events.emit(CheckpointFailed(step=step, error=str(exc),
                                               policy=self.policy.on_save_failure))
             raise CheckpointWriteError(step, self.store.root, reason) from exc
+        self._after_commit(step)
+        return info
+
+    def _after_commit(self, step: int) -> None:
+        """Retention, and what follows a commit (an object store's logs)."""
         try:
             for path in self.store.apply_retention(self.policy.keep, newest=step):
                 self.events.emit(CheckpointDeleted(path=str(path), reason="retention"))
@@ -565,4 +667,3 @@ class CheckpointManager:
                         "checkpoints are deleted after the next one", step, exc)
         if self.on_commit is not None:
             self.on_commit()
-        return info

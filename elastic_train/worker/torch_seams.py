@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.torch_private import Private
 
-__all__ = ["REQUIRED", "default_store", "destroy_process_group_preceded_by",
+__all__ = ["REQUIRED", "default_store", "destroy_process_group_preceded_by", "dtensor_chunk",
            "group_shutdown_skipped", "groups_of_this_process", "keep_lr_scheduler_mark",
            "remove_gradient_hooks", "renew_reducer", "reset_group_count",
            "tensor_use_count"]
@@ -54,7 +54,19 @@ REQUIRED: tuple[Private, ...] = (
             "work is dropped (group_shutdown_skipped)"),
     Private("torch", "Tensor._use_count", "to tell when no work of the backend holds a "
             "tensor any more (tensor_use_count)"),
+    Private("torch.distributed.tensor", "DTensor.__create_chunk_list__",
+            "where a rank's shard of a sharded tensor sits in the whole (dtensor_chunk: a "
+            "sharded checkpoint's index, checkpoint/sharded.py)", params=()),
 )
+
+
+def dtensor_chunk(tensor: Any) -> tuple[list[int], list[int]]:
+    """``(offsets, sizes)`` of this rank's local part of DTensor ``tensor`` in the whole
+    tensor (the protocol torch's own distributed checkpoint reads shards by)."""
+    chunks = tensor.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise ValueError(f"a DTensor with {len(chunks)} local chunks is not supported")
+    return list(chunks[0].offsets), list(chunks[0].sizes)
 
 
 def renew_reducer(ddp: DistributedDataParallel, group: dist.ProcessGroup) -> None:

@@ -33,7 +33,7 @@ from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
 from elastic_train.rundir import RunDir
 from elastic_train.tasks.base import Task, collate
-from elastic_train.worker import data_parallel, torch_seams
+from elastic_train.worker import data_parallel, sharding, torch_seams
 from elastic_train.worker.batching import WorldBatch, plan_batch
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
@@ -164,6 +164,9 @@ class Trainer:
             else build_task(self.task, cfg.seed)
         self._built = None
         self.model = built.model.to(self.group.device)
+        if cfg.parallelism != "ddp":  # sharded in place, before the optimizer takes it
+            sharding.shard_model(self.model, self.group, cfg.parallelism,
+                                 cfg.replica_group_size or self.env.local_world_size)
         self.dataset = built.dataset
         if len(self.dataset) < cfg.batch_size:
             raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(self.dataset)} "
@@ -199,7 +202,11 @@ class Trainer:
             inputs = collate(self.task, [self.dataset[int(j)] for j in chunk])
             inputs = _to_device(inputs, self.group.device)
             last = i == len(chunks) - 1
-            context = ddp.no_sync() if not last and world > 1 else contextlib.nullcontext()
+            if isinstance(ddp, DistributedDataParallel):
+                context = ddp.no_sync() if not last and world > 1 \
+                    else contextlib.nullcontext()
+            else:  # sharded: FSDP2 reduces the accumulated gradients with the last one
+                context = sharding.gradient_sync(ddp, enabled=last)
             self.watchdog.phase("forward-backward")
             with context:
                 loss = self.task.loss(ddp, inputs)
@@ -329,11 +336,15 @@ class Trainer:
 
     def _wrap_model(self, *, in_sync: bool = False) -> DistributedDataParallel:
         """DDP over this world's group; under live recovery its gradient all-reduce is one
-        that a lost peer ends at once (data_parallel.abortable_allreduce_hook).
+        that a lost peer ends at once (data_parallel.abortable_allreduce_hook). A sharded
+        model (``--parallelism fsdp|hsdp``) is its own wrapper: it is returned as it is.
 
         ``in_sync``: every rank already holds the same state (a live recovery just sent
         it), so DDP's own check and broadcast of the parameters are skipped.
         """
+        if self.config.train.parallelism != "ddp":
+            self.model.train()
+            return self.model  # type: ignore[return-value]
         ddp = DistributedDataParallel(
             self.model,
             device_ids=[self.group.device.index] if self.group.device.type == "cuda" else None,

@@ -72,6 +72,8 @@ VALID: dict[str, tuple[str, Any]] = {
     "--log-every": ("5", 5),
     "--record-samples": ("yes", True),
     "--deterministic": ("true", True),
+    "--parallelism": ("fsdp", "fsdp"),
+    "--replica-group-size": ("4", 4),
     "--checkpoint-every": ("25", 25),
     "--checkpoint-interval": ("90.5", 90.5),
     "--keep-checkpoints": ("7", 7),

@@ -1,0 +1,395 @@
+"""Sharded checkpoints (``--parallelism fsdp|hsdp``): every rank writes its own shards, rank 0
+commits them, and any world size or mesh reads them back resharded.
+
+Layout (the same step directories, temp names and commit by rename as storage.py)::
+
+    step-00000050/common.pt                rank 0: the state that is not sharded (torch.save,
+                                           loaded weights-only): scheduler, trainer,
+                                           sampler, the optimizer's param groups and step
+                                           counts, and a marker where each sharded tensor was
+    step-00000050/shard-00003.safetensors  rank 3: its parts of the sharded tensors
+    step-00000050/manifest.json            every file's size and sha256, and the index:
+                                           {path: dtype, whole shape, parts [file, key,
+                                           offset, shape]}; the model's digest and shapes
+
+A save: every rank copies its local parts to host memory (what training waits for), then,
+in the background, writes its file and a sidecar naming its parts and their checksum into
+the save's temp directory (``.tmp-step-N-eE``: the same name on every rank, E the writer
+epoch). Rank 0 waits for every rank's sidecar, reads the model's parts back to digest the
+whole model, writes the manifest, checks the writer fence, and renames the directory: the
+commit. A rank that dies before its sidecar leaves a temp directory, never a checkpoint.
+With HSDP only the first replica group writes (the others hold the same bytes).
+
+Why not DCP's format: its ``.metadata`` is a pickle that loading unpickles (code from a
+tampered checkpoint would run), and its save plans with collectives, which a writer
+thread cannot make beside training's. Here no pickle is read (safetensors and a JSON
+index), no collective runs after the snapshot, and a load reads only the slices a rank
+needs (``safe_open``'s slices), so any world size and mesh can restore any checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+from torch.distributed.tensor import DTensor, Replicate
+
+from elastic_train.checkpoint.snapshot import SnapshotBuffers
+from elastic_train.checkpoint.storage import (
+    MANIFEST,
+    CheckpointInfo,
+    CheckpointStore,
+    build_manifest,
+    fsync_dir,
+    load_payload,
+    model_digest,
+    step_dirname,
+)
+from elastic_train.errors import CheckpointMismatchError, StorageError
+from elastic_train.worker.torch_seams import dtensor_chunk
+
+__all__ = ["COMMON", "SHARDED", "ShardedSnapshot", "commit", "full_tensors", "is_sharded",
+           "restore_into", "snapshot", "staging_dir", "write_rank"]
+
+COMMON = "common.pt"
+SHARDED = "sharded"
+"""The manifest's key of a sharded checkpoint's index."""
+MARK = "__elastic_train_sharded__"
+"""Where a sharded tensor was, in ``common.pt``'s tree: ``{MARK: path}``."""
+POLL_SECONDS = 0.02
+MODEL = "model"
+OPTIMIZER = "optimizer"
+
+
+def shard_file(rank: int) -> str:
+    return f"shard-{rank:05d}.safetensors"
+
+
+def sidecar_file(rank: int) -> str:
+    return f"shard-{rank:05d}.json"
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are sharded (FSDP2, HSDP: DTensors)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def is_sharded_checkpoint(manifest: Mapping[str, Any] | None) -> bool:
+    return manifest is not None and SHARDED in manifest
+
+
+def staging_dir(root: Path, step: int, epoch: int | None) -> Path:
+    """The temp directory every rank of one save writes into (the same name on each:
+    ``.tmp-`` so that a restore removes it if the save never commits)."""
+    return root / f".tmp-{step_dirname(step)}-e{epoch if epoch is not None else 0}"
+
+
+# ---- the state --------------------------------------------------------------------------
+def state_of(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """Every object's state; the model and optimizer as torch's sharded state dicts
+    (tensors keyed by their parameter's name: independent of how they are wrapped)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = objects[MODEL], objects.get(OPTIMIZER)
+    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer else [])
+    state = {MODEL: model_state}
+    if optimizer is not None:
+        state[OPTIMIZER] = optim_state
+    for name, obj in objects.items():
+        if name not in (MODEL, OPTIMIZER):
+            state[name] = obj.state_dict()
+    return state
+
+
+def _writes(tensor: DTensor) -> bool:
+    """Whether this rank writes its part of ``tensor``: with replicas (HSDP), only the
+    first replica of each part."""
+    coordinate = tensor.device_mesh.get_coordinate() or []
+    return all(c == 0 for c, p in zip(coordinate, tensor.placements, strict=False)
+               if isinstance(p, Replicate))
+
+
+@dataclass
+class Part:
+    """One rank's part of a sharded tensor, as the index lists it."""
+
+    path: str
+    key: str
+    offset: list[int]
+    shape: list[int]
+    whole: list[int]
+    dtype: str
+
+    def entry(self, file: str) -> dict[str, Any]:
+        return {"file": file, "key": self.key, "offset": self.offset, "shape": self.shape}
+
+
+@dataclass
+class ShardedSnapshot:
+    """What one rank copied for a save: its parts (host tensors) and, on rank 0, the state
+    that is not sharded."""
+
+    rank: int
+    world_size: int
+    parts: list[Part]
+    tensors: dict[str, torch.Tensor]
+    common: dict[str, Any] | None
+
+
+class _Tree:
+    def __init__(self, tree: dict[str, Any]) -> None:
+        self.tree = tree
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.tree
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - unused
+        raise NotImplementedError
+
+
+def snapshot(objects: Mapping[str, Any], rank: int, world_size: int,
+             buffers: SnapshotBuffers) -> ShardedSnapshot:
+    """Copy this rank's parts (and on rank 0 the rest) into ``buffers``."""
+    parts: list[Part] = []
+    locals_: dict[str, torch.Tensor] = {}
+
+    def split(value: Any, path: str) -> Any:
+        if isinstance(value, DTensor):
+            if _writes(value):
+                offset, shape = dtensor_chunk(value)
+                key = f"{path}@{','.join(map(str, offset))}"
+                local = value.to_local()
+                if local.numel():
+                    parts.append(Part(path, key, offset, shape, list(value.shape),
+                                      str(value.dtype).removeprefix("torch.")))
+                    locals_[key] = local
+            return {MARK: path}
+        if isinstance(value, dict):
+            return {k: split(v, f"{path}/{k}") for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(split(v, f"{path}/{i}") for i, v in enumerate(value))
+        return value
+
+    common = {name: split(state, name) for name, state in state_of(objects).items()}
+    copied = buffers.copy({"parts": _Tree(locals_),
+                           "common": _Tree(common if rank == 0 else {})})
+    return ShardedSnapshot(rank, world_size, parts, copied["parts"],
+                           copied["common"] if rank == 0 else None)
+
+
+# ---- writing ----------------------------------------------------------------------------
+def _write_atomically(path: Path, data: bytes | memoryview) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def write_rank(staging: Path, shot: ShardedSnapshot) -> None:
+    """This rank's file (and rank 0's ``common.pt``), then its sidecar, into ``staging``."""
+    staging.mkdir(parents=True, exist_ok=True)
+    files: dict[str, dict[str, Any]] = {}
+    if shot.tensors:
+        data = safetensors_bytes({k: t.contiguous() for k, t in shot.tensors.items()})
+        _write_atomically(staging / shard_file(shot.rank), data)
+        files[shard_file(shot.rank)] = {"bytes": len(data),
+                                        "sha256": hashlib.sha256(data).hexdigest()}
+    if shot.common is not None:
+        buffer = io.BytesIO()
+        torch.save(shot.common, buffer)
+        view = buffer.getbuffer()
+        _write_atomically(staging / COMMON, view)
+        files[COMMON] = {"bytes": len(view), "sha256": hashlib.sha256(view).hexdigest()}
+    sidecar = {"rank": shot.rank, "world_size": shot.world_size, "files": files,
+               "parts": [{"path": p.path, "whole": p.whole, "dtype": p.dtype,
+                          **p.entry(shard_file(shot.rank))} for p in shot.parts]}
+    _write_atomically(staging / sidecar_file(shot.rank), json.dumps(sidecar).encode())
+    fsync_dir(staging)
+
+
+def _sidecars(staging: Path, world_size: int, timeout: float) -> list[dict[str, Any]]:
+    """Every rank's sidecar, waited for up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    found: dict[int, dict[str, Any]] = {}
+    while True:
+        for rank in range(world_size):
+            if rank not in found and (staging / sidecar_file(rank)).is_file():
+                found[rank] = json.loads((staging / sidecar_file(rank)).read_text())
+        if len(found) == world_size:
+            return [found[r] for r in range(world_size)]
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(world_size) if r not in found]
+            raise StorageError(
+                f"ranks {missing} wrote no shard of this checkpoint into {staging} within "
+                f"{timeout:.0f} s: a rank died, or the run directory is not one that every "
+                "node shares (a sharded checkpoint needs a shared filesystem)")
+        time.sleep(POLL_SECONDS)
+
+
+def commit(store: CheckpointStore, step: int, staging: Path, world_size: int,
+           meta: Mapping[str, Any], *, timeout: float,
+           before_commit: Callable[[], None] | None = None) -> CheckpointInfo:
+    """Rank 0: wait for every rank's shards, index them, and commit the checkpoint."""
+    sidecars = _sidecars(staging, world_size, timeout)
+    files: dict[str, dict[str, Any]] = {}
+    index: dict[str, dict[str, Any]] = {}
+    for sidecar in sidecars:
+        files.update(sidecar["files"])
+        for part in sidecar["parts"]:
+            entry = index.setdefault(part["path"], {"dtype": part["dtype"],
+                                                    "shape": part["whole"], "parts": []})
+            entry["parts"].append({k: part[k] for k in ("file", "key", "offset", "shape")})
+    if COMMON not in files:
+        raise StorageError(f"rank 0's {COMMON} is missing from {staging}")
+    model = full_tensors(staging, index, prefix=f"{MODEL}/")
+    manifest = build_manifest(step, {
+        **meta, "world_size": world_size, "model_digest": model_digest(model),
+        "model_shapes": {n: [str(t.dtype), list(t.shape)] for n, t in model.items()},
+        SHARDED: {"world_size": world_size, "tensors": index}}, files)
+    _write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1,
+                                                     sort_keys=True).encode())
+    for rank in range(world_size):
+        (staging / sidecar_file(rank)).unlink()
+    fsync_dir(staging)
+    if before_commit is not None:
+        before_commit()
+    final = store.root / step_dirname(step)
+    if final.exists():
+        store.set_aside(store.read_info(final, step))
+    os.rename(staging, final)
+    fsync_dir(store.root)
+    return CheckpointInfo(final, step, manifest)
+
+
+# ---- reading ----------------------------------------------------------------------------
+class _Files:
+    """The shard files of one checkpoint, each opened once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._open: dict[str, Any] = {}
+
+    def slice(self, file: str, key: str, region: tuple[slice, ...]) -> torch.Tensor:
+        handle = self._open.get(file)
+        if handle is None:
+            handle = self._open[file] = safe_open(str(self.root / file), framework="pt")
+        return handle.get_slice(key)[region]
+
+
+def _fill(target: torch.Tensor, offset: list[int], entry: Mapping[str, Any], files: _Files,
+          path: str) -> None:
+    """Copy into ``target`` (the region at ``offset`` of the whole tensor) every saved part
+    that overlaps it; every element must be covered."""
+    covered = 0
+    for part in entry["parts"]:
+        mine, theirs = [], []
+        for o, n, po, pn in zip(offset, target.shape, part["offset"], part["shape"],
+                                strict=True):
+            lo, hi = max(o, po), min(o + n, po + pn)
+            if lo >= hi:
+                break
+            mine.append(slice(lo - o, hi - o))
+            theirs.append(slice(lo - po, hi - po))
+        else:
+            region = files.slice(part["file"], part["key"], tuple(theirs))
+            target[tuple(mine)] = region.to(target.dtype)
+            covered += region.numel()
+    if covered != target.numel():
+        raise CheckpointMismatchError(
+            f"the checkpoint's parts of {path} cover {covered} of the {target.numel()} "
+            "elements this rank needs: it is incomplete; it was left untouched")
+
+
+def full_tensors(root: Path, index: Mapping[str, Mapping[str, Any]], prefix: str
+                 ) -> dict[str, torch.Tensor]:
+    """The whole tensors under ``prefix`` (``model/``), assembled from their parts (export,
+    the model's digest)."""
+    files, out = _Files(root), {}
+    for path, entry in index.items():
+        if path.startswith(prefix):
+            whole = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+            _fill(whole, [0] * whole.dim(), entry, files, path)
+            out[path[len(prefix):]] = whole
+    return out
+
+
+def _like(path: str, model_state: Mapping[str, Any]) -> DTensor:
+    """The sharded tensor of this job that the checkpoint's ``path`` fills: a parameter
+    (``model/NAME``) or optimizer state of it (``optimizer/state/NAME/KEY``)."""
+    parts = path.split("/")
+    name = parts[1] if parts[0] == MODEL else parts[2] if parts[:2] == [OPTIMIZER, "state"] \
+        else None
+    like = model_state.get(name) if name is not None else None
+    if not isinstance(like, DTensor):
+        raise CheckpointMismatchError(
+            f"the checkpoint holds a sharded {path} that this job's model has no sharded "
+            "parameter for: use the --parallelism and model that wrote it")
+    return like
+
+
+def restore_into(info: CheckpointInfo, objects: Mapping[str, Any],
+                 map_location: str | torch.device) -> None:
+    """Load sharded checkpoint ``info`` into ``objects`` on this rank, resharded to this
+    job's mesh: every rank reads only the slices of its own parts."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    assert info.manifest is not None
+    index = info.manifest[SHARDED]["tensors"]
+    common = load_payload(info.path / COMMON, info.path, map_location)
+    model, optimizer = objects[MODEL], objects.get(OPTIMIZER)
+    current = state_of({MODEL: model})[MODEL]
+    files = _Files(Path(info.path))
+    filled: dict[str, DTensor] = {}
+    for path, entry in index.items():
+        like = _like(path, current)
+        if list(like.shape) != list(entry["shape"]):
+            raise CheckpointMismatchError(
+                f"checkpoint {info.path} is for another model: {path} is {entry['shape']} "
+                f"there and {list(like.shape)} here; use a new --run-dir")
+        offset, shape = dtensor_chunk(like)
+        local = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+        if local.numel():
+            _fill(local, offset, entry, files, path)
+        filled[path] = DTensor.from_local(local.to(like.to_local().device), like.device_mesh,
+                                          like.placements, shape=like.shape,
+                                          stride=like.stride(), run_check=False)
+
+    def put_back(value: Any) -> Any:
+        if isinstance(value, dict) and set(value) == {MARK}:
+            return filled[value[MARK]]
+        if isinstance(value, dict):
+            return {k: put_back(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(put_back(v) for v in value)
+        return value
+
+    for name in objects:
+        if name not in common:
+            raise CheckpointMismatchError(f"checkpoint {info.path} has no {name!r} state: it "
+                                          "was written by another program; use a new --run-dir")
+    set_state_dict(model, [optimizer] if optimizer is not None else [],
+                   model_state_dict=put_back(common[MODEL]),
+                   optim_state_dict=put_back(common[OPTIMIZER]) if optimizer is not None
+                   else {})
+    for name, obj in objects.items():
+        if name not in (MODEL, OPTIMIZER):
+            obj.load_state_dict(common[name])
+
+
+def parts_of(info: CheckpointInfo) -> Iterator[tuple[str, int]]:
+    """(file, bytes) of a sharded checkpoint's files (per-rank sizes for reports)."""
+    assert info.manifest is not None
+    for name, entry in info.manifest["files"].items():
+        yield name, int(entry["bytes"])
