@@ -233,7 +233,7 @@ def _sidecars(staging: Path, world_size: int, timeout: float) -> list[dict[str, 
             missing = [r for r in range(world_size) if r not in found]
             raise StorageError(
                 f"ranks {missing} wrote no shard of this checkpoint into {staging} within "
-                f"{timeout:.0f} s: a rank died, or the run directory is not one that every "
+                f"{timeout:g} s: a rank died, or the run directory is not one that every "
                 "node shares (a sharded checkpoint needs a shared filesystem)")
         time.sleep(POLL_SECONDS)
 

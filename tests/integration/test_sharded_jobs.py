@@ -1,0 +1,201 @@
+"""Sharded models (``--parallelism fsdp|hsdp``: FSDP2 on gloo, CPU) in real torchrun and
+``elastic-train run`` jobs, with sharded checkpoints (checkpoint/sharded.py).
+
+- fsdp: SIGKILLs of a worker mid-interval, right after a checkpoint, and of rank 0: every
+  restart resumes from the newest sharded checkpoint and the job ends with the weights of a
+  run never killed, bit for bit, every checkpoint on the way too; each sample once;
+- hsdp (2 replica groups of 2): a worker SIGKILLed, the same weights as a run never
+  killed; only the first replica group writes shards;
+- a resize 2 -> 3 -> 2 (SIGTERM, then a relaunch at the new size): each restore reshards to
+  the new mesh, and the recorded sample ids show each sample once per epoch;
+- a corrupt shard: the checkpoint fails verification, the restore skips it and the rerun
+  ends with the uninterrupted weights; the export gathers a plain state dict that a fresh,
+  unsharded model loads, with the checkpoint's digest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from bisect import bisect_right
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from elastic_train import cli
+from elastic_train.checkpoint.storage import model_digest
+from elastic_train.observe.events import read_events
+from elastic_train.rundir import EVENTS_FILE
+from elastic_train.tasks.base import TaskContext
+from elastic_train.tasks.gpt import make_task
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+SAMPLES = 700  # windows of 64 bytes: 10 global batches of 64 per epoch, a tail dropped
+STEPS = 40
+TASK = ["--preset", "tiny", "--task-opt", "dropout=0.1",
+        "--task-opt", f"corpus_max_bytes={SAMPLES * 64 + 1}"]
+JOB = [*TASK, "--steps", str(STEPS), "--batch-size", "64", "--checkpoint-every", "5",
+       "--keep-checkpoints", "10", "--log-every", "10", "--record-samples", "true"]
+FSDP = [*JOB, "--parallelism", "fsdp"]
+HSDP = [*JOB, "--parallelism", "hsdp", "--replica-group-size", "2"]
+TIMEOUT = 240
+
+
+def digests(run_dir: Path) -> dict[int, str]:
+    return {r["step"]: r["model_digest"] for r in harness.checkpoint_listing(run_dir)
+            if r["valid"]}
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
+    run_dir = tmp_path_factory.mktemp("fsdp-reference") / "run"
+    job = harness.torchrun(run_dir, FSDP, max_restarts=0)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    return digests(run_dir), run_dir
+
+
+def used_samples(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """{step: epoch, world size and sample ids} of the attempt of each step that counts:
+    the newest launch or restart that recorded it (told apart by rank 0's start events)."""
+    starts = sorted(e["time"] for e in read_events(run_dir / EVENTS_FILE)
+                    if e["event"] == "start")
+    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for path in (run_dir / "samples").glob("rank-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_step[record["step"]][bisect_right(starts, record["time"])].append(record)
+    steps = {}
+    for step, attempts in by_step.items():
+        records = sorted(attempts[max(attempts)], key=lambda r: r["rank"])
+        world = records[0]["world_size"]
+        assert [r["rank"] for r in records] == list(range(world)), (step, records)
+        steps[step] = {"epoch": records[0]["epoch"], "world_size": world,
+                       "indices": [i for r in records for i in r["indices"]]}
+    return steps
+
+
+def assert_each_sample_once(run_dir: Path) -> dict[int, dict[str, Any]]:
+    steps = used_samples(run_dir)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    by_epoch: dict[int, list[int]] = defaultdict(list)
+    for step in sorted(steps):
+        by_epoch[steps[step]["epoch"]].extend(steps[step]["indices"])
+    for epoch, seen in by_epoch.items():
+        assert len(seen) == len(set(seen)), f"epoch {epoch} repeats samples"
+        assert all(0 <= i < SAMPLES for i in seen)
+        if epoch < max(by_epoch):
+            assert len(seen) == (SAMPLES // 64) * 64, f"epoch {epoch} skipped samples"
+    return steps
+
+
+def loaded(job: harness.Job) -> list[tuple[int, int | None, int]]:
+    return [(e["step"], e["saved_world_size"], e["world_size"]) for e in job.events()
+            if e["event"] == "checkpoint_loaded"]
+
+
+def test_fsdp_sigkills_resume_bitwise_from_sharded_checkpoints(
+        fsdp_reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    """Three SIGKILLs in one ``elastic-train run`` (a sharded job restarts every worker
+    from its newest checkpoint): mid-interval (rank 1), right after a checkpoint (rank 1),
+    and rank 0, the committer, mid-interval."""
+    reference, _ = fsdp_reference
+    kills = [(1, lambda e: e["event"] == "step" and e["step"] == 12, 10),
+             (1, lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20, 20),
+             (0, lambda e: e["event"] == "step" and e["step"] == 33, 30)]
+    run_dir = tmp_path / "run"
+    job = harness.elastic_run(run_dir, [*FSDP, "--max-restarts", str(len(kills))])
+    try:
+        for restart, (rank, when, _) in enumerate(kills):
+            job.wait_for_event(lambda e, when=when, restart=restart: when(e) and [
+                s for s in job.events() if s["event"] == "start" and s["time"] <= e["time"]
+            ][-1]["restart"] == restart, timeout=TIMEOUT)
+            job.kill_worker(rank)
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert [step for step, _, _ in loaded(job)] == [resume for *_, resume in kills]
+    assert digests(run_dir) == reference  # every checkpoint, the final one included
+    assert_each_sample_once(run_dir)
+    final = run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    assert sorted(p.name for p in final.iterdir()) == [
+        "common.pt", "manifest.json", "shard-00000.safetensors", "shard-00001.safetensors"]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_hsdp_a_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
+    """4 workers, 2 replica groups of 2: the run killed once ends with the weights of the
+    run never killed; only the first replica group wrote shards."""
+    reference = tmp_path / "reference"
+    job = harness.torchrun(reference, HSDP, nproc=4, max_restarts=0)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    run_dir = tmp_path / "run"
+    job = harness.torchrun(run_dir, HSDP, nproc=4, max_restarts=2)
+    try:
+        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 17, TIMEOUT)
+        job.kill_worker(3)
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert [step for step, _, _ in loaded(job)] == [15]
+    assert digests(run_dir) == digests(reference)
+    final = run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    assert sorted(p.name for p in final.glob("shard-*")) == [
+        "shard-00000.safetensors", "shard-00001.safetensors"]
+    assert json.loads((final / "manifest.json").read_text())["world_size"] == 4
+
+
+def _preempted_at(run_dir: Path, nproc: int, step: int) -> harness.Job:
+    """A launch at ``nproc`` workers, SIGTERMed once it passed ``step`` (every rank
+    checkpoints at one agreed step and exits)."""
+    job = harness.torchrun(run_dir, FSDP, nproc=nproc, max_restarts=0)
+    try:
+        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] >= step, TIMEOUT)
+        job.proc.send_signal(signal.SIGTERM)
+        job.wait(TIMEOUT)
+    finally:
+        job.stop()
+    return job
+
+
+def test_a_resize_2_3_2_reshards_and_uses_each_sample_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _preempted_at(run_dir, 2, 12)
+    job = _preempted_at(run_dir, 3, 26)
+    assert loaded(job)[-1][1:] == (2, 3), loaded(job)
+    job = harness.torchrun(run_dir, FSDP, nproc=2, max_restarts=0)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    assert loaded(job)[-1][1:] == (3, 2), loaded(job)
+    steps = assert_each_sample_once(run_dir)
+    assert {s["world_size"] for s in steps.values()} == {2, 3}
+    assert harness.checkpoint_listing(run_dir)[0]["step"] == STEPS
+
+
+def test_a_corrupt_shard_is_skipped_and_the_export_loads_unsharded(
+        fsdp_reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    reference, reference_dir = fsdp_reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_dir, run_dir)
+    shard = run_dir / "checkpoints" / f"step-{STEPS:08d}" / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cli.main(["checkpoints", "verify", str(run_dir)]) == 1
+    job = harness.torchrun(run_dir, FSDP, max_restarts=0)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    assert loaded(job) == [(STEPS - 5, 2, 2)]
+    assert digests(run_dir)[STEPS] == reference[STEPS]
+    assert [p for p in (run_dir / "checkpoints").iterdir() if ".corrupt-" in p.name]
+
+    out = tmp_path / "weights.safetensors"
+    assert cli.main(["checkpoints", "export", str(run_dir), str(out)]) == 0
+    model = make_task(TaskContext({"preset": "tiny", "dropout": 0.1})).build_model()
+    model.load_state_dict(load_file(out))  # strict: every tensor, whole
+    assert model_digest(model.state_dict()) == reference[STEPS]
+    assert torch.equal(model.lm_head.weight, model.tok_emb.weight)
