@@ -370,6 +370,10 @@ def validate(config: JobConfig) -> JobConfig:
            "'ddp', 'fsdp' or 'hsdp'")
     _check(t.replica_group_size >= 0, "--replica-group-size", t.replica_group_size,
            ">= 0 (0: one group per node)")
+    if t.parallelism != "ddp" and isinstance(config.run_dir, str):
+        raise ConfigError(f"--parallelism {t.parallelism} with an object store run directory "
+                          f"({config.run_dir}) is not supported yet: sharded checkpoints "
+                          "need a filesystem every node shares; use such a --run-dir")
     if t.parallelism != "ddp" and c.every_seconds is not None:
         raise ConfigError(f"--checkpoint-interval {c.every_seconds} is not supported with "
                           f"--parallelism {t.parallelism} yet: every rank writes its shards "
@@ -395,6 +399,20 @@ def validate(config: JobConfig) -> JobConfig:
     _check(m.linger_seconds >= 0, "--metrics-linger", m.linger_seconds, ">= 0")
     _check(m.min_world_size >= 0, "--min-world-size", m.min_world_size, ">= 0 (0: not set)")
     return config
+
+
+def mesh_shape(parallelism: str, world_size: int, replica_group_size: int
+               ) -> tuple[int, ...]:
+    """The device mesh's shape: ``(world,)`` for fsdp, ``(replicas, group)`` for hsdp.
+    Raises ``ConfigError`` when the world cannot be split into whole replica groups."""
+    if parallelism == "fsdp":
+        return (world_size,)
+    if replica_group_size < 1 or world_size % replica_group_size:
+        raise ConfigError(
+            f"--replica-group-size {replica_group_size} does not divide the world size "
+            f"{world_size}: hsdp shards within groups of that many ranks; choose a size "
+            "that divides every world size the job may have (--nnodes, --nproc-per-node)")
+    return (world_size // replica_group_size, replica_group_size)
 
 
 def effective_recovery(config: JobConfig) -> str:

@@ -40,7 +40,13 @@ from elastic_train.agent.launch_options import (
 )
 from elastic_train.agent.snapshot_holder import DEFAULT_MAX_BYTES, parse_size
 from elastic_train.agent.worker_start import worker_processes, workers_released_on_close
-from elastic_train.config import JobConfig, RecoveryMode, effective_recovery, parse_job_args
+from elastic_train.config import (
+    JobConfig,
+    RecoveryMode,
+    effective_recovery,
+    mesh_shape,
+    parse_job_args,
+)
 from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.rendezvous.config import (
     parse_rdzv_conf,
@@ -215,9 +221,9 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
+def preflight(config: JobConfig, nproc_per_node: str = "1", nnodes: str = "1") -> None:
     """Fail fast on what every worker would fail on: run dir, task, incompatible checkpoint,
-    metrics ports in use."""
+    metrics ports in use, replica groups that do not divide a world size of the job."""
     import torch
 
     from elastic_train.checkpoint.storage import check_compatible, tensor_shapes
@@ -226,6 +232,12 @@ def preflight(config: JobConfig, nproc_per_node: str = "1") -> None:
     from elastic_train.tasks.base import TaskContext
     from elastic_train.tasks.loader import load_task
 
+    group = config.train.replica_group_size
+    if config.train.parallelism == "hsdp" and group and nproc_per_node.isdigit():
+        low, _, high = nnodes.partition(":")
+        if low.isdigit() and (high or low).isdigit():
+            for n in range(int(low), int(high or low) + 1):
+                mesh_shape("hsdp", n * int(nproc_per_node), group)
     run_dir = RunDir(config.run_dir, config.storage).prepare()
     task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                     config.train.seed, config.run_dir))
@@ -459,7 +471,7 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
         check_rendezvous(ns.rdzv_backend, ns.rdzv_endpoint,
                          parse_rdzv_conf(rdzv_conf_with_defaults(ns.rdzv_backend, ns.rdzv_conf)))
         if config is not None:
-            preflight(config, ns.nproc_per_node)
+            preflight(config, ns.nproc_per_node, str(ns.nnodes))
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code

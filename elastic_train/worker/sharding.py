@@ -21,24 +21,10 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from elastic_train.config import PARALLELISMS
-from elastic_train.errors import ConfigError
+from elastic_train.config import mesh_shape
 from elastic_train.worker.distributed import Group
 
-__all__ = ["PARALLELISMS", "gradient_sync", "mesh_shape", "shard_model", "shard_units"]
-
-def mesh_shape(parallelism: str, world_size: int, replica_group_size: int
-               ) -> tuple[int, ...]:
-    """The device mesh's shape: ``(world,)`` for fsdp, ``(replicas, group)`` for hsdp.
-    Raises ``ConfigError`` when the world cannot be split into whole replica groups."""
-    if parallelism == "fsdp":
-        return (world_size,)
-    if replica_group_size < 1 or world_size % replica_group_size:
-        raise ConfigError(
-            f"--replica-group-size {replica_group_size} does not divide the world size "
-            f"{world_size}: hsdp shards within groups of that many ranks; choose a size "
-            "that divides every world size the job may have (--nnodes, --nproc-per-node)")
-    return (world_size // replica_group_size, replica_group_size)
+__all__ = ["gradient_sync", "shard_model", "shard_units"]
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

@@ -362,6 +362,12 @@ def test_wrong_type_of_run_dir_in_the_file(tmp_path: Path, text: str) -> None:
     (["--metrics-linger", "-1"], "--metrics-linger -1.0 is invalid: it must be >= 0"),
     (["--min-world-size", "-2"], "--min-world-size -2 is invalid: it must be >= 0 (0: not set)"),
     (["--recovery", "inplace"], "--recovery inplace is invalid: it must be 'live' or 'restart'"),
+    (["--replica-group-size", "-1"],
+     "--replica-group-size -1 is invalid: it must be >= 0 (0: one group per node)"),
+    (["--parallelism", "fsdp", "--run-dir", "s3://bucket/run"],
+     "--parallelism fsdp with an object store run directory (s3://bucket/run) is not "
+     "supported yet: sharded checkpoints need a filesystem every node shares; use such a "
+     "--run-dir"),
 ])
 def test_invalid_values_name_the_option_and_the_requirement(argv: list[str],
                                                             message: str) -> None:
@@ -406,3 +412,23 @@ def test_the_save_failure_policy_from_a_file_is_checked_like_the_option(tmp_path
     typed = _write(tmp_path / "typed.toml", "[checkpoint]\non_save_failure = 1\n")
     assert _error(["--config", str(typed)]) == \
         "[checkpoint] on_save_failure = 1 is invalid: expected str"
+
+
+def test_a_sharded_job_restarts_from_its_checkpoint_until_live_recovery_of_shards_exists(
+        ) -> None:
+    from elastic_train.config import effective_recovery
+
+    assert effective_recovery(parse_job_args([])) == "live"
+    assert effective_recovery(parse_job_args(["--parallelism", "hsdp"])) == "restart"
+    assert effective_recovery(parse_job_args(["--recovery", "restart"])) == "restart"
+
+
+@pytest.mark.parametrize(("parallelism", "world", "group", "shape"), [
+    ("fsdp", 3, 0, (3,)), ("hsdp", 4, 2, (2, 2)), ("hsdp", 6, 3, (2, 3)),
+    ("hsdp", 2, 2, (1, 2))])
+def test_the_mesh_splits_the_world_into_replica_groups(parallelism: str, world: int,
+                                                       group: int, shape: tuple[int, ...]
+                                                       ) -> None:
+    from elastic_train.config import mesh_shape
+
+    assert mesh_shape(parallelism, world, group) == shape
