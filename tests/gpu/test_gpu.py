@@ -222,3 +222,31 @@ def test_elastic_session_with_a_cuda_model_resumes_bitwise(tmp_path: Path) -> No
     loaded = [e["step"] for e in job.events() if e["event"] == "checkpoint_loaded"]
     assert len(loaded) == 1 and loaded[0] >= 25, job.report()
     assert harness.final_digest(run_dir) == harness.final_digest(tmp_path / "reference")
+
+
+def test_fsdp_on_the_gpu_writes_sharded_checkpoints_and_resumes_bitwise(
+        tmp_path: Path) -> None:
+    """``--parallelism fsdp`` (FSDP2's fully_shard on a CUDA mesh, NCCL; one rank per GPU):
+    a SIGKILLed worker restarts from its sharded checkpoint, restored onto the GPU, and
+    ends with the weights of the run never killed, bit for bit."""
+    fsdp = [*NCCL_1, "--parallelism", "fsdp"]
+    reference = tmp_path / "reference"
+    _run_to_end(reference, [*fsdp, "--max-restarts", "0"])
+    run_dir = tmp_path / "run"
+    job = harness.elastic_run(run_dir, [*fsdp, "--max-restarts", "2"])
+    try:
+        job.wait_for_event(_step_event(KILL_AT), timeout=TIMEOUT)
+        job.kill_worker(0)
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    (loaded,) = [e for e in job.events() if e["event"] == "checkpoint_loaded"]
+    assert loaded["step"] >= EVERY
+    final = run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    assert sorted(p.name for p in final.iterdir()) == [
+        "common.pt", "manifest.json", "shard-00000.safetensors"]
+    saved = [e for e in job.events() if e["event"] == "checkpoint_saved"]
+    print("fsdp on the GPU, sharded saves (s): " + "; ".join(
+        f"step {e['step']}: snapshot {e['snapshot_seconds']}, persist {e['persist_seconds']}"
+        for e in saved))
+    assert harness.final_digest(run_dir) == harness.final_digest(reference)
