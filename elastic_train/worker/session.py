@@ -51,9 +51,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from elastic_train.checkpoint.export import check_weights_file, write_weights
+from elastic_train.checkpoint.export import (
+    check_weights_file,
+    export_checkpoint,
+    write_weights,
+)
 from elastic_train.checkpoint.manager import CheckpointManager, Stateful
 from elastic_train.config import (
+    PARALLELISMS,
     CheckpointConfig,
     RecoveryMode,
     StorageConfig,
@@ -64,7 +69,7 @@ from elastic_train.config import (
 from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.observe.event_schema import Step
 from elastic_train.observe.events import EventLog
-from elastic_train.worker import data_parallel, distributed, torch_seams
+from elastic_train.worker import data_parallel, distributed, sharding, torch_seams
 from elastic_train.worker.batching import global_batch
 from elastic_train.worker.bootstrap import join_world, place_worker
 from elastic_train.worker.data_parallel import StepFailures
@@ -77,6 +82,10 @@ from elastic_train.worker.seeding import derive_seed
 from elastic_train.worker.timeline import process_start_time
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
+LIVE_NOT_SHARDED = ("live recovery of a sharded model (wrap(parallelism=\"fsdp\" or "
+                    "\"hsdp\")) is not built yet: this job restarts from its newest sharded "
+                    "checkpoint on a failure (ElasticSession(..., recovery=\"restart\") says so "
+                    "and silences this line)")
 LIVE_NEEDS_WRAP = ("live recovery needs the model wrapped by session.wrap(model) (in place "
                    "of DDP(model)), before restore(): this job restarts from its newest "
                    "checkpoint on a failure instead (ElasticSession(..., recovery=\"restart\") "
@@ -181,6 +190,7 @@ class ElasticSession:
         self._batch_sizes: tuple[int | None, int | None] = (None, None)
         self._own_loader = False
         self._ddps: list[DistributedDataParallel] = []
+        self._sharded = False
         self._failures = StepFailures()
         self._step_timeout = step_timeout
         self._watchdog: StepWatchdog | NoWatchdog = NoWatchdog()
@@ -260,14 +270,36 @@ class ElasticSession:
         return _ElasticDataLoader(dataset, batch_sampler=sampler, generator=generator,
                                   **kwargs)
 
-    def wrap(self, model: torch.nn.Module, **ddp_options: Any) -> DistributedDataParallel:
-        """``DistributedDataParallel(model)`` on this session's world (was: ``DDP(model)``).
+    def wrap(self, model: torch.nn.Module, *, parallelism: str = "ddp",
+             replica_group_size: int = 0, **ddp_options: Any) -> torch.nn.Module:
+        """``DistributedDataParallel(model)`` on this session's world (was: ``DDP(model)``),
+        or, with ``parallelism="fsdp"`` or ``"hsdp"``, the model sharded by FSDP2 on this
+        world's mesh (was: ``fully_shard`` per layer; ``replica_group_size``: hsdp's ranks
+        per replica, 0: one group per node).
 
-        Call it before ``restore()``. Under live recovery, the session keeps this DDP
-        module across re-formations (it moves to each new process group) and makes its
-        gradient all-reduce one whose failure the session recovers from (module
-        docstring). ``ddp_options`` go to DDP (``device_ids`` defaults to this worker's GPU).
+        Call it before ``restore()``, and build the optimizer after it (a sharded model's
+        parameters are new). Under live recovery, the session keeps this DDP module across
+        re-formations (it moves to each new process group) and makes its gradient
+        all-reduce one whose failure the session recovers from (module docstring); a
+        sharded model restarts from its newest (sharded) checkpoint instead. ``ddp_options``
+        go to DDP (``device_ids`` defaults to this worker's GPU).
         """
+        if parallelism not in PARALLELISMS:
+            raise ConfigError(f"wrap(parallelism={parallelism!r}) is invalid: use one of "
+                              f"{', '.join(PARALLELISMS)}")
+        if parallelism != "ddp":
+            if isinstance(self.run_dir, str):
+                raise ConfigError(f"wrap(parallelism={parallelism!r}) with an object store "
+                                  f"run directory ({self.run_dir}) is not supported yet: "
+                                  "sharded checkpoints need a filesystem every node shares")
+            if self.runtime.checkpoints.policy.every_seconds is not None:
+                raise ConfigError(f"checkpoint_interval is not supported with "
+                                  f"wrap(parallelism={parallelism!r}) yet: every rank writes "
+                                  "its shards and must agree on the step; use "
+                                  "checkpoint_every")
+            self._sharded = True
+            return sharding.shard_model(model.to(self.device), self.group, parallelism,
+                                        replica_group_size or self.env.local_world_size)
         in_sync = False
         if self.live is not None and self.live.arriving:
             # Started into a running world: built, it joins; restore() receives the state.
@@ -292,9 +324,10 @@ class ElasticSession:
         if self._sampler is not None:
             self._objects["sampler"] = self._sampler
         live = self.live
-        if live is not None and not self._ddps:
+        if live is not None and (self._sharded or not self._ddps):
             if self.rank == 0 and self.env.restart_count == 0:  # once per job
-                print(f"elastic_train: {LIVE_NEEDS_WRAP}", file=sys.stderr, flush=True)
+                print(f"elastic_train: {LIVE_NOT_SHARDED if self._sharded else LIVE_NEEDS_WRAP}",
+                      file=sys.stderr, flush=True)
             live.close()
             self.live = self.runtime.live = None
             live = None
@@ -544,8 +577,16 @@ class ElasticSession:
         if self.stopped_at is None:
             target = None if export is None or not self._objects else Path(export)
             model = self._objects.get("model")
-            self.runtime.end(self.step_count, self._objects, then=None if target is None else
-                             lambda: write_weights(model.state_dict(), target))
+
+            def export() -> None:
+                assert target is not None and model is not None
+                if self._sharded:  # rank 0 gathers the weights from the final checkpoint
+                    export_checkpoint(self.runtime.checkpoints.store, target, self.step_count)
+                else:
+                    write_weights(model.state_dict(), target)
+
+            self.runtime.end(self.step_count, self._objects,
+                             then=None if target is None else export)
         self._leave()
         self.runtime.raise_if_node_stopped()
 

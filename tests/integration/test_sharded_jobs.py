@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import sys
 from bisect import bisect_right
 from collections import defaultdict
 from pathlib import Path
@@ -199,3 +200,57 @@ def test_a_corrupt_shard_is_skipped_and_the_export_loads_unsharded(
     model.load_state_dict(load_file(out))  # strict: every tensor, whole
     assert model_digest(model.state_dict()) == reference[STEPS]
     assert torch.equal(model.lm_head.weight, model.tok_emb.weight)
+
+
+SESSION_LOOP = Path(__file__).resolve().parents[2] / "examples" / "fsdp_session.py"
+
+
+def _session_loop(run_dir: Path, max_restarts: int, launcher: str = "torchrun"
+                  ) -> harness.Job:
+    if launcher == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
+                "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.1"]
+    else:
+        argv = [sys.executable, "-m", "elastic_train", "run"]
+    return harness.start([*argv, "--nproc-per-node=2", f"--max-restarts={max_restarts}",
+                          str(SESSION_LOOP), str(run_dir)], run_dir)
+
+
+@pytest.fixture(scope="module")
+def session_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reference = tmp_path_factory.mktemp("fsdp-session-reference") / "run"
+    job = _session_loop(reference, 0)
+    assert job.wait(TIMEOUT) == 0, job.report()
+    return reference
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "elastic-train run"])
+def test_a_hand_written_fsdp_loop_killed_ends_with_the_weights_of_one_never_killed(
+        session_reference: Path, tmp_path: Path, launcher: str) -> None:
+    """examples/fsdp_session.py (``session.wrap(model, parallelism="fsdp")``): a worker
+    SIGKILLed mid-epoch; the restart resumes from the sharded checkpoint (under
+    ``elastic-train run`` too, which says once that live recovery of shards is not built)
+    and the exported final weights equal the uninterrupted run's, bit for bit, and load
+    into the unsharded model."""
+    reference = session_reference
+    run_dir = tmp_path / "run"
+    job = _session_loop(run_dir, 2, launcher)
+    try:
+        job.wait_for_event(lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20,
+                           TIMEOUT)
+        job.kill_worker(1)
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert [step for step, _, _ in loaded(job)] in ([20], [30]), loaded(job)
+    if launcher != "torchrun":
+        assert job.output().count("live recovery of a sharded model (wrap(parallelism="
+                                  "\"fsdp\" or \"hsdp\")) is not built yet") == 1
+    ours, theirs = load_file(run_dir / "final.safetensors"), \
+        load_file(reference / "final.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from examples.fsdp_session import Model
+
+    Model().load_state_dict(ours)  # strict: the whole, unsharded model
