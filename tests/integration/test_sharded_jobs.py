@@ -224,7 +224,10 @@ def session_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return reference
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "elastic-train run"])
+@pytest.mark.parametrize("launcher", [
+    "torchrun",
+    # the built-in job's test proves elastic-train run's restart of a sharded job already
+    pytest.param("elastic-train run", marks=pytest.mark.extended)])
 def test_a_hand_written_fsdp_loop_killed_ends_with_the_weights_of_one_never_killed(
         session_reference: Path, tmp_path: Path, launcher: str) -> None:
     """examples/fsdp_session.py (``session.wrap(model, parallelism="fsdp")``): a worker
