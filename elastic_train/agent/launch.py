@@ -476,6 +476,11 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
     timing.install()
+    if config is not None and effective_recovery(config) != config.distributed.recovery:
+        print(f"elastic-train: --parallelism {config.train.parallelism} recovers by restarting "
+              "every worker from its newest sharded checkpoint: live recovery of sharded "
+              "state is not built yet (--recovery restart says so and silences this line)",
+              file=sys.stderr, flush=True)
     where = f" (run dir {config.run_dir})" if config is not None else f" ({script[0]})"
     args = torchrun.parse_args(options_torchrun_knows(cmd, torchrun.get_args_parser()))
     # Settled here already (launch_options.resolve): torch's parser must not take them

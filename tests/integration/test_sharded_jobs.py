@@ -122,6 +122,8 @@ def test_fsdp_sigkills_resume_bitwise_from_sharded_checkpoints(
     finally:
         job.stop()
     assert [step for step, _, _ in loaded(job)] == [resume for *_, resume in kills]
+    assert job.output().count("elastic-train: --parallelism fsdp recovers by restarting "
+                              "every worker from its newest sharded checkpoint") == 1
     assert digests(run_dir) == reference  # every checkpoint, the final one included
     assert_each_sample_once(run_dir)
     final = run_dir / "checkpoints" / f"step-{STEPS:08d}"
