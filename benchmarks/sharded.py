@@ -188,9 +188,9 @@ def restore(tmp: Path, p: Preset, reps: int) -> None:
     print(f"| checkpoint_loaded.seconds | {_summary(same['ddp'].get('loaded', []))} | "
           f"{_summary(same['fsdp'].get('loaded', []))} | {_summary(resized.get('loaded', []))}"
           f" | {_ratio(same['fsdp'].get('loaded', []), same['ddp'].get('loaded', []))} |")
-    print(f"| kill -> next step, s | {_summary(same['ddp'].get('kill to next step', []))} | "
-          f"{_summary(same['fsdp'].get('kill to next step', []))} | | "
-          f"{_ratio(same['fsdp'].get('kill to next step', []), same['ddp'].get('kill to next step', []))} |")  # noqa: E501
+    ddp_kill, fsdp_kill = (same[k].get("kill to next step", []) for k in ("ddp", "fsdp"))
+    print(f"| kill -> next step, s | {_summary(ddp_kill)} | {_summary(fsdp_kill)} | | "
+          f"{_ratio(fsdp_kill, ddp_kill)} |")
     print(f"| relaunch -> first step, s | | | "
           f"{_summary(resized.get('launch to first step', []))} | |")
 

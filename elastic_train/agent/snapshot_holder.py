@@ -408,17 +408,27 @@ class _Handler(BaseHTTPRequestHandler):
             return -1
 
     # ---- requests --------------------------------------------------------------------------
-    def do_PUT(self) -> None:
-        lower_thread_priority()  # a checkpoint's copy, like its writer: never before training
-        holder = self.server.holder
-        path, _ = self._query()
+    def _admitted(self, method: str, expected: str) -> tuple[dict[str, str], int] | None:
+        """A write's (query, body length) when it carries the token and names
+        ``expected``; else None, refused (its body drained). Writes (a checkpoint's copy,
+        an upload) run at idle priority, like the checkpoint writer: never before training."""
+        lower_thread_priority()
+        path, query = self._query()
         length = self._length()
-        if not holder.authorized(self.headers.get(AUTHORIZATION)):
+        if not self.server.holder.authorized(self.headers.get(AUTHORIZATION)):
             self._refuse(401, "wrong or missing bearer token", length)
+            return None
+        if path != expected:
+            self._refuse(404, f"no {path} here ({method} {expected})", length)
+            return None
+        return query, length
+
+    def do_PUT(self) -> None:
+        holder = self.server.holder
+        admitted = self._admitted("PUT", SNAPSHOT_PATH)
+        if admitted is None:
             return
-        if path != SNAPSHOT_PATH:
-            self._refuse(404, f"no {path} here (PUT {SNAPSHOT_PATH})", length)
-            return
+        _, length = admitted
         raw = self.headers.get(MANIFEST_HEADER, "")
         try:
             if len(raw) > MAX_MANIFEST_BYTES:
@@ -477,16 +487,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(404, {"error": f"no {path} here"})
 
     def do_POST(self) -> None:
-        lower_thread_priority()  # the upload, like the local writer: never before training
         holder = self.server.holder
-        path, query = self._query()
-        length = self._length()
-        if not holder.authorized(self.headers.get(AUTHORIZATION)):
-            self._refuse(401, "wrong or missing bearer token", length)
+        admitted = self._admitted("POST", UPLOAD_PATH)
+        if admitted is None:
             return
-        if path != UPLOAD_PATH:
-            self._refuse(404, f"no {path} here (POST {UPLOAD_PATH})", length)
-            return
+        query, length = admitted
         if not 0 < length <= MAX_MANIFEST_BYTES:
             self._refuse(400, f"give a JSON body of at most {MAX_MANIFEST_BYTES} bytes", length)
             return

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_train.checkpoint.object_store import ObjectStore
@@ -94,11 +95,19 @@ class PayloadUploads:
             return self._stores.setdefault(name, store)
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ldconfig); None
+    where the C library has none."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
 def _release_free_memory() -> None:
     """Hand the upload's freed part buffers back to the system (glibc keeps what its
     threads' arenas freed; an agent holds one checkpoint and should cost about that)."""
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass  # not glibc: nothing to trim
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -17,11 +17,12 @@ an event), checks it fits the model, and broadcasts its choice; every rank loads
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -384,12 +385,7 @@ class CheckpointManager:
             if pending is not None:
                 pending.wait()
             began, cpu_began = time.monotonic(), time.thread_time()
-            try:
-                info = self.persist(step, snapshot)
-            except CheckpointWriteError as exc:
-                if not wait:  # the final one fails the run: its caller reports it
-                    self._failed(exc)
-                raise
+            info = self.persist(step, snapshot)
             self.last_saved_step = step
             self.saved += 1
             self.events.emit(CheckpointSaved(
@@ -405,15 +401,49 @@ class CheckpointManager:
                 memory_seconds=None if self.memory_seconds is None
                 else round(self.memory_seconds, 6)))
 
-        if wait:
-            persist()
-        elif not background:
+        self._dispatch(step, persist, wait)
+
+    def _dispatch(self, step: int, persist: Callable[[], None], wait: bool) -> None:
+        """Run ``persist`` in the background, or now when ``wait`` (the final checkpoint:
+        its failure raises to the caller) or when the policy is synchronous. A failed
+        periodic write is reported at once (``_failed``) and left to the policy."""
+
+        def reported() -> None:
             try:
                 persist()
+            except CheckpointWriteError as exc:
+                if not wait:  # the final one fails the run: its caller reports it
+                    self._failed(exc)
+                raise
+
+        if wait:
+            reported()
+        elif not self.policy.asynchronous:
+            try:
+                reported()
             except CheckpointWriteError:
                 pass  # reported by _failed, handled by the policy like a background failure
         else:
-            self._persister.submit(step, persist)
+            self._persister.submit(step, reported)
+
+    @contextlib.contextmanager
+    def _committing(self, step: int) -> Iterator[None]:
+        """Around a write of checkpoint ``step``: a newer world's fence is recorded and
+        raised; a storage failure becomes ``checkpoint_failed`` and a
+        ``CheckpointWriteError`` (the last good checkpoint stays as it was)."""
+        try:
+            yield
+        except CheckpointFencedError as exc:
+            self.fenced = exc
+            log.error("%s", exc)
+            self.events.emit(CheckpointFenced(step=step, epoch=exc.epoch,
+                                              newer_epoch=exc.newer_epoch))
+            raise
+        except (OSError, StorageError) as exc:
+            reason = str(exc) if isinstance(exc, StorageError) else exc.strerror or str(exc)
+            self.events.emit(CheckpointFailed(step=step, error=str(exc),
+                                              policy=self.policy.on_save_failure))
+            raise CheckpointWriteError(step, self.store.root, reason) from exc
 
     def _save_sharded(self, step: int, objects: Mapping[str, Stateful], reason: str,
                       wait: bool) -> None:
@@ -430,42 +460,25 @@ class CheckpointManager:
         staging = sharded.staging_dir(self.store.root, step, self.epoch)
 
         def persist() -> None:
-            began, cpu_began = time.monotonic(), time.thread_time()
-            try:
-                sharded.write_rank(staging, shot)
-            except OSError as exc:
-                error = CheckpointWriteError(step, self.store.root, exc.strerror or str(exc))
-                if self.group.rank == 0:
-                    self.events.emit(CheckpointFailed(step=step, error=str(exc),
-                                                      policy=self.policy.on_save_failure))
-                    if not wait:
-                        self._failed(error)
-                else:  # rank 0 waits for this rank's shard in vain and reports the save
+            if self.group.rank != 0:
+                try:
+                    sharded.write_rank(staging, shot)
+                except OSError as exc:  # rank 0 waits for this shard in vain and reports it
                     log.warning("rank %d could not write its shard of checkpoint %d: %s",
                                 self.group.rank, step, exc)
-                raise error from exc
-            if self.group.rank != 0:
+                    if wait:  # the final one fails the run on this rank too
+                        raise CheckpointWriteError(step, self.store.root,
+                                                   exc.strerror or str(exc)) from exc
+                    return
                 self.last_saved_step = step
                 return
-            meta = {**self.meta, "writer_epoch": self.epoch}
-            try:
-                info = sharded.commit(self.store, step, staging, self.group.world_size, meta,
+            began, cpu_began = time.monotonic(), time.thread_time()
+            with self._committing(step):
+                sharded.write_rank(staging, shot)
+                info = sharded.commit(self.store, step, staging, self.group.world_size,
+                                      {**self.meta, "writer_epoch": self.epoch},
                                       timeout=self.policy.shard_timeout_seconds,
                                       before_commit=lambda: self._check_fence(step))
-            except CheckpointFencedError as exc:
-                self.fenced = exc
-                log.error("%s", exc)
-                self.events.emit(CheckpointFenced(step=step, epoch=exc.epoch,
-                                                  newer_epoch=exc.newer_epoch))
-                raise
-            except (OSError, StorageError) as exc:
-                why = str(exc) if isinstance(exc, StorageError) else exc.strerror or str(exc)
-                self.events.emit(CheckpointFailed(step=step, error=str(exc),
-                                                  policy=self.policy.on_save_failure))
-                error = CheckpointWriteError(step, self.store.root, why)
-                if not wait:
-                    self._failed(error)
-                raise error from exc
             self._after_commit(step)
             self.last_saved_step = step
             self.saved += 1
@@ -477,14 +490,7 @@ class CheckpointManager:
                 persist_cpu_seconds=round(time.thread_time() - cpu_began, 6),
                 waited_seconds=round(waited, 6)))
 
-        if wait or not self.policy.asynchronous:
-            try:
-                persist()
-            except CheckpointWriteError:
-                if wait:
-                    raise
-        else:
-            self._persister.submit(step, persist)
+        self._dispatch(step, persist, wait)
 
     def _guard_next_step(self, optimizer: torch.optim.Optimizer, pending: PendingCopies) -> None:
         """Make ``optimizer``'s next step wait for ``pending``.
@@ -551,10 +557,9 @@ class CheckpointManager:
 
     def finish(self) -> None:
         """Wait for the persist in flight (shutdown); say how often saves waited."""
+        self._finish_pending(report_wait=False)  # on every rank: a sharded save's writer
         if self.group.rank != 0:
-            self._finish_pending(report_wait=False)  # a sharded save's writer, if any
             return
-        self._finish_pending(report_wait=False)
         if self.waits > 1 and self.waits != self._waits_told:
             self._waits_told = self.waits
             log.warning("%d checkpoint saves waited for the previous persist (%.3fs in all): "
@@ -640,20 +645,9 @@ class CheckpointManager:
         extra: dict[str, Any] = {}
         if offered is not None and in_object_store:
             extra["upload"] = self._upload_behind(offered)
-        try:
+        with self._committing(step):
             info = self.store.write(step, payload, meta,
                                     before_commit=lambda: self._check_fence(step), **extra)
-        except CheckpointFencedError as exc:
-            self.fenced = exc
-            log.error("%s", exc)
-            self.events.emit(CheckpointFenced(step=step, epoch=exc.epoch,
-                                              newer_epoch=exc.newer_epoch))
-            raise
-        except (OSError, StorageError) as exc:
-            reason = str(exc) if isinstance(exc, StorageError) else exc.strerror or str(exc)
-            self.events.emit(CheckpointFailed(step=step, error=str(exc),
-                                              policy=self.policy.on_save_failure))
-            raise CheckpointWriteError(step, self.store.root, reason) from exc
         self._after_commit(step)
         return info
 

@@ -50,8 +50,6 @@ from elastic_train.errors import CheckpointCorruptError, StorageError
 from elastic_train.live.memory_tier import PAYLOAD_KEY
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_PAYLOAD = PAYLOAD_KEY
-"""A payload this store wrote: the only objects housekeeping ever deletes."""
 
 PayloadUpload = Callable[[ObjectStore, str, Serialized], bool]
 """Uploads a save's payload to ``(store, key)`` for it: the agent's holder, which keeps
@@ -250,18 +248,18 @@ class ObjectCheckpointStore:
                 continue
             manifest = next((o for o in objects if o.key.endswith("/" + MANIFEST)), None)
             if manifest is None:
-                stray.extend(o for o in objects if _PAYLOAD.search(o.key))
+                stray.extend(o for o in objects if PAYLOAD_KEY.search(o.key))
                 continue
             info = self._read_manifest(name, int(name[5:]), tuple(objects))
             if info.manifest is None:
                 continue  # a broken checkpoint: restore sets it aside, bytes kept
             named = {self._key(name, n) for n in info.manifest["files"]} | {manifest.key}
-            stray.extend(o for o in objects if o.key not in named and _PAYLOAD.search(o.key))
+            stray.extend(o for o in objects if o.key not in named and PAYLOAD_KEY.search(o.key))
         return stray
 
     def _incomplete_uploads(self) -> list[tuple[str, str]]:
         return [(key, upload) for key, upload in
-                self.objects.incomplete_uploads(self.prefix + "/") if _PAYLOAD.search(key)]
+                self.objects.incomplete_uploads(self.prefix + "/") if PAYLOAD_KEY.search(key)]
 
     def leftovers(self) -> list[ObjectPath]:
         """Objects and incomplete uploads of saves that did not finish."""

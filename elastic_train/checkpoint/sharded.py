@@ -34,7 +34,7 @@ import io
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,14 +147,16 @@ class ShardedSnapshot:
 
 
 class _Tree:
+    """A tree already taken from its objects, for ``SnapshotBuffers.copy`` to copy."""
+
     def __init__(self, tree: dict[str, Any]) -> None:
         self.tree = tree
 
     def state_dict(self) -> dict[str, Any]:
         return self.tree
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - unused
-        raise NotImplementedError
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tree = state
 
 
 def snapshot(objects: Mapping[str, Any], rank: int, world_size: int,
@@ -309,7 +311,8 @@ def _fill(target: torch.Tensor, offset: list[int], entry: Mapping[str, Any], fil
     if covered != target.numel():
         raise CheckpointMismatchError(
             f"the checkpoint's parts of {path} cover {covered} of the {target.numel()} "
-            "elements this rank needs: it is incomplete; it was left untouched")
+            "elements this rank needs: it is incomplete; it was left untouched: move it "
+            "aside to resume from the one before")
 
 
 def full_tensors(root: Path, index: Mapping[str, Mapping[str, Any]], prefix: str
@@ -386,10 +389,3 @@ def restore_into(info: CheckpointInfo, objects: Mapping[str, Any],
     for name, obj in objects.items():
         if name not in (MODEL, OPTIMIZER):
             obj.load_state_dict(common[name])
-
-
-def parts_of(info: CheckpointInfo) -> Iterator[tuple[str, int]]:
-    """(file, bytes) of a sharded checkpoint's files (per-rank sizes for reports)."""
-    assert info.manifest is not None
-    for name, entry in info.manifest["files"].items():
-        yield name, int(entry["bytes"])

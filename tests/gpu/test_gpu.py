@@ -100,16 +100,22 @@ def _step_event(step: int):  # type: ignore[no-untyped-def]
     return lambda e: e["event"] == "step" and e["step"] == step
 
 
-def test_nccl_world_of_one_resumes_bitwise_after_sigkill(nccl_reference: str,
-                                                         tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    job = harness.elastic_run(run_dir, [*NCCL_1, "--max-restarts", "2"])
+def _killed_at(job: harness.Job, step: int) -> harness.Job:
+    """``job`` with worker 0 SIGKILLed once it logged ``step``, run to its end (which must
+    be a success: the restart resumed from a checkpoint)."""
     try:
-        job.wait_for_event(_step_event(KILL_AT), timeout=TIMEOUT)
+        job.wait_for_event(_step_event(step), timeout=TIMEOUT)
         job.kill_worker(0)
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
+    return job
+
+
+def test_nccl_world_of_one_resumes_bitwise_after_sigkill(nccl_reference: str,
+                                                         tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = _killed_at(harness.elastic_run(run_dir, [*NCCL_1, "--max-restarts", "2"]), KILL_AT)
     events = job.events()
     starts = [e for e in events if e["event"] == "start"]
     assert [(e["restart"], e["backend"]) for e in starts] == [(0, ONE_BACKEND), (1, ONE_BACKEND)]
@@ -212,13 +218,7 @@ def test_elastic_session_with_a_cuda_model_resumes_bitwise(tmp_path: Path) -> No
     finally:
         reference.stop()
     run_dir = tmp_path / "run"
-    job = _session_job(run_dir, 2)
-    try:
-        job.wait_for_event(_step_event(120), timeout=TIMEOUT)  # of 200, checkpoints every 25
-        job.kill_worker(0)
-        assert job.wait(TIMEOUT) == 0, job.report()
-    finally:
-        job.stop()
+    job = _killed_at(_session_job(run_dir, 2), 120)  # of 200 steps, checkpoints every 25
     loaded = [e["step"] for e in job.events() if e["event"] == "checkpoint_loaded"]
     assert len(loaded) == 1 and loaded[0] >= 25, job.report()
     assert harness.final_digest(run_dir) == harness.final_digest(tmp_path / "reference")
@@ -233,13 +233,7 @@ def test_fsdp_on_the_gpu_writes_sharded_checkpoints_and_resumes_bitwise(
     reference = tmp_path / "reference"
     _run_to_end(reference, [*fsdp, "--max-restarts", "0"])
     run_dir = tmp_path / "run"
-    job = harness.elastic_run(run_dir, [*fsdp, "--max-restarts", "2"])
-    try:
-        job.wait_for_event(_step_event(KILL_AT), timeout=TIMEOUT)
-        job.kill_worker(0)
-        assert job.wait(TIMEOUT) == 0, job.report()
-    finally:
-        job.stop()
+    job = _killed_at(harness.elastic_run(run_dir, [*fsdp, "--max-restarts", "2"]), KILL_AT)
     (loaded,) = [e for e in job.events() if e["event"] == "checkpoint_loaded"]
     assert loaded["step"] >= EVERY
     final = run_dir / "checkpoints" / f"step-{STEPS:08d}"

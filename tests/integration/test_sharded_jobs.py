@@ -19,7 +19,6 @@ import json
 import shutil
 import signal
 import sys
-from bisect import bisect_right
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -30,11 +29,11 @@ from safetensors.torch import load_file
 
 from elastic_train import cli
 from elastic_train.checkpoint.storage import model_digest
-from elastic_train.observe.events import read_events
-from elastic_train.rundir import EVENTS_FILE
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.gpt import make_task
 from tests.integration import harness
+from tests.integration.test_exact_resume import _incarnation_of
+from tests.integration.test_multinode import effective_steps
 
 pytestmark = pytest.mark.slow
 
@@ -62,28 +61,8 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, 
     return digests(run_dir), run_dir
 
 
-def used_samples(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """{step: epoch, world size and sample ids} of the attempt of each step that counts:
-    the newest launch or restart that recorded it (told apart by rank 0's start events)."""
-    starts = sorted(e["time"] for e in read_events(run_dir / EVENTS_FILE)
-                    if e["event"] == "start")
-    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for path in (run_dir / "samples").glob("rank-*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            by_step[record["step"]][bisect_right(starts, record["time"])].append(record)
-    steps = {}
-    for step, attempts in by_step.items():
-        records = sorted(attempts[max(attempts)], key=lambda r: r["rank"])
-        world = records[0]["world_size"]
-        assert [r["rank"] for r in records] == list(range(world)), (step, records)
-        steps[step] = {"epoch": records[0]["epoch"], "world_size": world,
-                       "indices": [i for r in records for i in r["indices"]]}
-    return steps
-
-
 def assert_each_sample_once(run_dir: Path) -> dict[int, dict[str, Any]]:
-    steps = used_samples(run_dir)
+    steps = effective_steps(run_dir)  # the newest attempt of each step
     assert sorted(steps) == list(range(1, STEPS + 1))
     by_epoch: dict[int, list[int]] = defaultdict(list)
     for step in sorted(steps):
@@ -114,9 +93,9 @@ def test_fsdp_sigkills_resume_bitwise_from_sharded_checkpoints(
     job = harness.elastic_run(run_dir, [*FSDP, "--max-restarts", str(len(kills))])
     try:
         for restart, (rank, when, _) in enumerate(kills):
-            job.wait_for_event(lambda e, when=when, restart=restart: when(e) and [
-                s for s in job.events() if s["event"] == "start" and s["time"] <= e["time"]
-            ][-1]["restart"] == restart, timeout=TIMEOUT)
+            job.wait_for_event(lambda e, when=when, restart=restart:
+                               when(e) and _incarnation_of(job, e) == restart,
+                               timeout=TIMEOUT)
             job.kill_worker(rank)
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
