@@ -415,16 +415,6 @@ def mesh_shape(parallelism: str, world_size: int, replica_group_size: int
     return (world_size // replica_group_size, replica_group_size)
 
 
-def effective_recovery(config: JobConfig) -> str:
-    """The recovery the job gets: ``--recovery``, except that a sharded model
-    (``--parallelism fsdp|hsdp``) restarts every worker from its newest sharded checkpoint,
-    as torchrun does: live recovery of sharded state (a lost rank's shards from its replica
-    group, or from the newest checkpoint) is not built yet."""
-    if config.train.parallelism != "ddp":
-        return RecoveryMode.RESTART
-    return config.distributed.recovery
-
-
 def check_session_options(*, checkpoint_every: int | None, preemption_budget: float | None,
                           on_save_failure: str, recovery: str,
                           step_timeout: float | None) -> None:

@@ -43,7 +43,6 @@ from elastic_train.agent.worker_start import worker_processes, workers_released_
 from elastic_train.config import (
     JobConfig,
     RecoveryMode,
-    effective_recovery,
     mesh_shape,
     parse_job_args,
 )
@@ -476,11 +475,6 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
     timing.install()
-    if config is not None and effective_recovery(config) != config.distributed.recovery:
-        print(f"elastic-train: --parallelism {config.train.parallelism} recovers by restarting "
-              "every worker from its newest sharded checkpoint: live recovery of sharded "
-              "state is not built yet (--recovery restart says so and silences this line)",
-              file=sys.stderr, flush=True)
     where = f" (run dir {config.run_dir})" if config is not None else f" ({script[0]})"
     args = torchrun.parse_args(options_torchrun_knows(cmd, torchrun.get_args_parser()))
     # Settled here already (launch_options.resolve): torch's parser must not take them
@@ -490,7 +484,7 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
     args.module = not args.no_python
     try:
         _launch(args, job_args, ns.worker_start,
-                effective_recovery(config) if config is not None else RecoveryMode.LIVE,
+                config.distributed.recovery if config is not None else RecoveryMode.LIVE,
                 (["-m"] if ns.module else []) + list(script), ns.hot_spare == "on",
                 ns.peer_timeout, ns.memory_tier_limit if ns.memory_tier == "on" else None)
     except SignalException as exc:

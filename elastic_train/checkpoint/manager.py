@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -156,6 +157,11 @@ class CheckpointManager:
         self._buffers = SnapshotBuffers()
         self._persister = BackgroundPersister()
         self._copies_in_flight: PendingCopies | None = None  # the next step waits for them
+        self.generation = 0
+        """The generation of the world this rank is in (live recovery): a sharded save's
+        temp directory is this world's own."""
+        self._shards_awaited: threading.Event | None = None
+        """Set to give up a sharded save whose shards rank 0 still waits for (``reformed``)."""
         # Optimizers whose step waits for copies in flight (weak: an id could be reused).
         self._guarded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
@@ -457,7 +463,8 @@ class CheckpointManager:
                                 self._buffers)
         snapshot_seconds = time.monotonic() - started
         self._last_save_time = time.monotonic()
-        staging = sharded.staging_dir(self.store.root, step, self.epoch)
+        staging = sharded.staging_dir(self.store.root, step, self.epoch, self.generation)
+        abandoned = self._shards_awaited = threading.Event()
 
         def persist() -> None:
             if self.group.rank != 0:
@@ -473,12 +480,18 @@ class CheckpointManager:
                 self.last_saved_step = step
                 return
             began, cpu_began = time.monotonic(), time.thread_time()
-            with self._committing(step):
-                sharded.write_rank(staging, shot)
-                info = sharded.commit(self.store, step, staging, self.group.world_size,
-                                      {**self.meta, "writer_epoch": self.epoch},
-                                      timeout=self.policy.shard_timeout_seconds,
-                                      before_commit=lambda: self._check_fence(step))
+            try:
+                with self._committing(step):
+                    sharded.write_rank(staging, shot)
+                    info = sharded.commit(self.store, step, staging, shot.world_size,
+                                          {**self.meta, "writer_epoch": self.epoch},
+                                          timeout=self.policy.shard_timeout_seconds,
+                                          before_commit=lambda: self._check_fence(step),
+                                          abandoned=abandoned)
+            except sharded.SaveAbandoned as exc:  # not a failure: that world is gone
+                log.warning("checkpoint %d was given up: %s; the newest committed one "
+                            "stays", step, exc)
+                return
             self._after_commit(step)
             self.last_saved_step = step
             self.saved += 1
@@ -543,6 +556,13 @@ class CheckpointManager:
             self.failures += 1
             log.error("checkpoint %d was not written: %s", result.step, result.error)
         return waited
+
+    def reformed(self) -> None:
+        """This rank's world re-forms in place: a sharded save of the world before whose
+        shards are not all in is given up (a lost rank never writes its shard), so that no
+        save waits for it."""
+        if self._shards_awaited is not None:
+            self._shards_awaited.set()
 
     def join_epoch(self, epoch: int) -> None:
         """This worker is now a member of a world that owns writer epoch ``epoch`` (the

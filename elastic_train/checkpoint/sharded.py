@@ -33,6 +33,7 @@ import hashlib
 import io
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,14 +59,20 @@ from elastic_train.checkpoint.storage import (
 from elastic_train.errors import CheckpointMismatchError, StorageError
 from elastic_train.worker.torch_seams import dtensor_chunk
 
-__all__ = ["COMMON", "SHARDED", "ShardedSnapshot", "commit", "full_tensors", "is_sharded",
-           "restore_into", "snapshot", "staging_dir", "write_rank"]
+__all__ = ["COMMON", "SHARDED", "Part", "SaveAbandoned", "ShardedSnapshot", "as_dtensor",
+           "commit", "full_tensors", "is_sharded", "load_state", "restore_into",
+           "sharded_like", "snapshot", "split_state", "staging_dir", "state_of",
+           "write_rank"]
 
 COMMON = "common.pt"
 SHARDED = "sharded"
 """The manifest's key of a sharded checkpoint's index."""
 MARK = "__elastic_train_sharded__"
 """Where a sharded tensor was, in ``common.pt``'s tree: ``{MARK: path}``."""
+REPLICA = "elastic_train_replica"
+"""The attribute of a sharded root module that holds its replica group's index (HSDP on
+gloo, where the mesh FSDP2 sees is the replica group's own: worker/sharding.py); only
+group 0 writes shards."""
 POLL_SECONDS = 0.02
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -88,10 +95,18 @@ def is_sharded_checkpoint(manifest: Mapping[str, Any] | None) -> bool:
     return manifest is not None and SHARDED in manifest
 
 
-def staging_dir(root: Path, step: int, epoch: int | None) -> Path:
+def staging_dir(root: Path, step: int, epoch: int | None, generation: int = 0) -> Path:
     """The temp directory every rank of one save writes into (the same name on each:
-    ``.tmp-`` so that a restore removes it if the save never commits)."""
-    return root / f".tmp-{step_dirname(step)}-e{epoch if epoch is not None else 0}"
+    ``.tmp-`` so that a restore removes it if the save never commits). The writer epoch and
+    the generation of the world (live recovery) are in its name: a save of the same step by
+    a later world never finds the shards of an earlier one's abandoned save."""
+    return root / (f".tmp-{step_dirname(step)}-e{epoch if epoch is not None else 0}"
+                   f"-g{generation}")
+
+
+class SaveAbandoned(Exception):
+    """Rank 0 stopped waiting for the shards of a save: the world that took it re-formed
+    (live recovery) before every rank wrote its shard. The last good checkpoint stays."""
 
 
 # ---- the state --------------------------------------------------------------------------
@@ -159,15 +174,17 @@ class _Tree:
         self.tree = state
 
 
-def snapshot(objects: Mapping[str, Any], rank: int, world_size: int,
-             buffers: SnapshotBuffers) -> ShardedSnapshot:
-    """Copy this rank's parts (and on rank 0 the rest) into ``buffers``."""
+def split_state(state: Mapping[str, Any], keep: Callable[[DTensor], bool] = _writes
+                ) -> tuple[dict[str, Any], list[Part], dict[str, torch.Tensor]]:
+    """``state`` (from ``state_of``) split into the tree that is not sharded, with a marker
+    where each sharded tensor was, and this rank's parts of the sharded tensors that
+    ``keep`` selects (the index entries, and their local tensors by key: not copies)."""
     parts: list[Part] = []
     locals_: dict[str, torch.Tensor] = {}
 
     def split(value: Any, path: str) -> Any:
         if isinstance(value, DTensor):
-            if _writes(value):
+            if keep(value):
                 offset, shape = dtensor_chunk(value)
                 key = f"{path}@{','.join(map(str, offset))}"
                 local = value.to_local()
@@ -182,7 +199,16 @@ def snapshot(objects: Mapping[str, Any], rank: int, world_size: int,
             return type(value)(split(v, f"{path}/{i}") for i, v in enumerate(value))
         return value
 
-    common = {name: split(state, name) for name, state in state_of(objects).items()}
+    common = {name: split(value, name) for name, value in state.items()}
+    return common, parts, locals_
+
+
+def snapshot(objects: Mapping[str, Any], rank: int, world_size: int,
+             buffers: SnapshotBuffers) -> ShardedSnapshot:
+    """Copy this rank's parts (and on rank 0 the rest) into ``buffers``."""
+    first_replica = int(getattr(objects[MODEL], REPLICA, 0)) == 0
+    common, parts, locals_ = split_state(
+        state_of(objects), _writes if first_replica else lambda _: False)
     copied = buffers.copy({"parts": _Tree(locals_),
                            "common": _Tree(common if rank == 0 else {})})
     return ShardedSnapshot(rank, world_size, parts, copied["parts"],
@@ -221,8 +247,10 @@ def write_rank(staging: Path, shot: ShardedSnapshot) -> None:
     fsync_dir(staging)
 
 
-def _sidecars(staging: Path, world_size: int, timeout: float) -> list[dict[str, Any]]:
-    """Every rank's sidecar, waited for up to ``timeout`` seconds."""
+def _sidecars(staging: Path, world_size: int, timeout: float,
+              abandoned: threading.Event | None = None) -> list[dict[str, Any]]:
+    """Every rank's sidecar, waited for up to ``timeout`` seconds, or until ``abandoned``
+    is set (``SaveAbandoned``)."""
     deadline = time.monotonic() + timeout
     found: dict[int, dict[str, Any]] = {}
     while True:
@@ -237,14 +265,21 @@ def _sidecars(staging: Path, world_size: int, timeout: float) -> list[dict[str, 
                 f"ranks {missing} wrote no shard of this checkpoint into {staging} within "
                 f"{timeout:g} s: a rank died, or the run directory is not one that every "
                 "node shares (a sharded checkpoint needs a shared filesystem)")
-        time.sleep(POLL_SECONDS)
+        if abandoned is None:
+            time.sleep(POLL_SECONDS)
+        elif abandoned.wait(POLL_SECONDS):
+            missing = [r for r in range(world_size) if r not in found]
+            raise SaveAbandoned(f"the world re-formed before ranks {missing} wrote their "
+                                f"shards into {staging}")
 
 
 def commit(store: CheckpointStore, step: int, staging: Path, world_size: int,
            meta: Mapping[str, Any], *, timeout: float,
-           before_commit: Callable[[], None] | None = None) -> CheckpointInfo:
-    """Rank 0: wait for every rank's shards, index them, and commit the checkpoint."""
-    sidecars = _sidecars(staging, world_size, timeout)
+           before_commit: Callable[[], None] | None = None,
+           abandoned: threading.Event | None = None) -> CheckpointInfo:
+    """Rank 0: wait for every rank's shards, index them, and commit the checkpoint
+    (``SaveAbandoned`` when ``abandoned`` is set before they are all in)."""
+    sidecars = _sidecars(staging, world_size, timeout, abandoned)
     files: dict[str, dict[str, Any]] = {}
     index: dict[str, dict[str, Any]] = {}
     for sidecar in sidecars:
@@ -328,7 +363,7 @@ def full_tensors(root: Path, index: Mapping[str, Mapping[str, Any]], prefix: str
     return out
 
 
-def _like(path: str, model_state: Mapping[str, Any]) -> DTensor:
+def sharded_like(path: str, model_state: Mapping[str, Any]) -> DTensor:
     """The sharded tensor of this job that the checkpoint's ``path`` fills: a parameter
     (``model/NAME``) or optimizer state of it (``optimizer/state/NAME/KEY``)."""
     parts = path.split("/")
@@ -342,32 +377,19 @@ def _like(path: str, model_state: Mapping[str, Any]) -> DTensor:
     return like
 
 
-def restore_into(info: CheckpointInfo, objects: Mapping[str, Any],
-                 map_location: str | torch.device) -> None:
-    """Load sharded checkpoint ``info`` into ``objects`` on this rank, resharded to this
-    job's mesh: every rank reads only the slices of its own parts."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` (this rank's part of ``like``'s whole tensor) as a tensor sharded as
+    ``like`` is, on its device."""
+    return DTensor.from_local(local.to(like.to_local().device), like.device_mesh,
+                              like.placements, shape=like.shape, stride=like.stride(),
+                              run_check=False)
 
-    assert info.manifest is not None
-    index = info.manifest[SHARDED]["tensors"]
-    common = load_payload(info.path / COMMON, info.path, map_location)
-    model, optimizer = objects[MODEL], objects.get(OPTIMIZER)
-    current = state_of({MODEL: model})[MODEL]
-    files = _Files(Path(info.path))
-    filled: dict[str, DTensor] = {}
-    for path, entry in index.items():
-        like = _like(path, current)
-        if list(like.shape) != list(entry["shape"]):
-            raise CheckpointMismatchError(
-                f"checkpoint {info.path} is for another model: {path} is {entry['shape']} "
-                f"there and {list(like.shape)} here; use a new --run-dir")
-        offset, shape = dtensor_chunk(like)
-        local = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
-        if local.numel():
-            _fill(local, offset, entry, files, path)
-        filled[path] = DTensor.from_local(local.to(like.to_local().device), like.device_mesh,
-                                          like.placements, shape=like.shape,
-                                          stride=like.stride(), run_check=False)
+
+def load_state(objects: Mapping[str, Any], common: Mapping[str, Any],
+               filled: Mapping[str, DTensor], where: str) -> None:
+    """Load ``common`` (the state that is not sharded, with a marker where each sharded
+    tensor was) and the sharded tensors ``filled`` (by path) into ``objects``."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     def put_back(value: Any) -> Any:
         if isinstance(value, dict) and set(value) == {MARK}:
@@ -380,8 +402,9 @@ def restore_into(info: CheckpointInfo, objects: Mapping[str, Any],
 
     for name in objects:
         if name not in common:
-            raise CheckpointMismatchError(f"checkpoint {info.path} has no {name!r} state: it "
-                                          "was written by another program; use a new --run-dir")
+            raise CheckpointMismatchError(f"{where} has no {name!r} state: it was written by "
+                                          "another program; use a new --run-dir")
+    model, optimizer = objects[MODEL], objects.get(OPTIMIZER)
     set_state_dict(model, [optimizer] if optimizer is not None else [],
                    model_state_dict=put_back(common[MODEL]),
                    optim_state_dict=put_back(common[OPTIMIZER]) if optimizer is not None
@@ -389,3 +412,27 @@ def restore_into(info: CheckpointInfo, objects: Mapping[str, Any],
     for name, obj in objects.items():
         if name not in (MODEL, OPTIMIZER):
             obj.load_state_dict(common[name])
+
+
+def restore_into(info: CheckpointInfo, objects: Mapping[str, Any],
+                 map_location: str | torch.device) -> None:
+    """Load sharded checkpoint ``info`` into ``objects`` on this rank, resharded to this
+    job's mesh: every rank reads only the slices of its own parts."""
+    assert info.manifest is not None
+    index = info.manifest[SHARDED]["tensors"]
+    common = load_payload(info.path / COMMON, info.path, map_location)
+    current = state_of({MODEL: objects[MODEL]})[MODEL]
+    files = _Files(Path(info.path))
+    filled: dict[str, DTensor] = {}
+    for path, entry in index.items():
+        like = sharded_like(path, current)
+        if list(like.shape) != list(entry["shape"]):
+            raise CheckpointMismatchError(
+                f"checkpoint {info.path} is for another model: {path} is {entry['shape']} "
+                f"there and {list(like.shape)} here; use a new --run-dir")
+        offset, shape = dtensor_chunk(like)
+        local = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+        if local.numel():
+            _fill(local, offset, entry, files, path)
+        filled[path] = as_dtensor(local, like)
+    load_state(objects, common, filled, f"checkpoint {info.path}")

@@ -145,12 +145,16 @@ class Recovery(EventRecord):
     agent's detection of the failure to the state in place on every rank (live), or null;
     ``bytes``: the state sent between workers (live) or read from disk (restart);
     ``cause`` (live): worker lost, node lost, node joined, collective failed, new round;
-    ``lost_nodes`` (live): agents of the world before that are not in this one.
+    ``lost_nodes`` (live): agents of the world before that are not in this one;
+    ``state_from`` (live): ``peers`` (the state was sent by members holding it) or
+    ``checkpoint`` (a sharded model whose parts the members did not all hold: every member
+    loaded the newest checkpoint, in its running process).
     """
 
     event: ClassVar[Event] = Event.RECOVERY
     omitted_when_none: ClassVar[frozenset[str]] = frozenset({"generation", "source_rank",
-                                                             "cause", "lost_nodes"})
+                                                             "cause", "lost_nodes",
+                                                             "state_from"})
     flattened: ClassVar[frozenset[str]] = frozenset({"marks"})
     kind: str
     restart: int
@@ -165,6 +169,7 @@ class Recovery(EventRecord):
     source_rank: int | None = None
     cause: str | None = None
     lost_nodes: int | None = None
+    state_from: str | None = None
     marks: Mapping[str, float] = field(default_factory=dict)
     """Live: Unix times on rank 0 of ``detected_at`` (the agent), ``failed_at`` (its step
     failed) or ``paused_at`` (it left its loop at a step boundary; a started-again rank 0:

@@ -182,7 +182,29 @@ def wait(work: dist.Work | None, *tensors: torch.Tensor) -> None:
     (``settle_callbacks``)."""
     if work is not None:
         _hand_over(*tensors)
-        abortable(work.get_future()).wait()
+        abortable(_future_of(work)).wait()
+
+
+def _future_of(work: dist.Work) -> torch.futures.Future:
+    """``work``'s future; for work that has none (gloo's reduce-scatter), one that a thread
+    of its own completes when ``work.wait()`` returns (abandoned with the group when the
+    work is stuck on a lost peer: it ends at the group's timeout)."""
+    try:
+        return work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        pass
+    future: torch.futures.Future = torch.futures.Future()
+
+    def wait_for_it() -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # the collective's own error reaches the waiter
+            future.set_exception(exc.with_traceback(None))
+        else:
+            future.set_result(None)
+
+    threading.Thread(target=wait_for_it, name="elastic-train-work-wait", daemon=True).start()
+    return future
 
 
 def enter_generation(generation: int) -> None:

@@ -1,11 +1,14 @@
 """DDP's side of a world that re-forms in place: gradient all-reduce hooks that an abort
-ends at once, and a DDP moved to the new process group.
+ends at once, and a DDP moved to the new process group; and HSDP's all-reduce across its
+replica groups, with the same abortable wait.
 
-The hooks' all-reduce is the one collective outside distributed.py: it is DDP's gradient
-reduction, made here so that its wait is abortable (aborts.py).
+The hooks' all-reduce is the one collective outside distributed.py: it is the gradient
+reduction of DDP and HSDP, made here so that its wait is abortable (aborts.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.worker import aborts, torch_seams
 
 __all__ = ["StepFailures", "abortable_allreduce_hook", "forgiving_allreduce_hook",
-           "renew_ddp"]
+           "mean_across_replicas", "renew_ddp"]
 
 
 def abortable_allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -27,6 +30,19 @@ def abortable_allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.fu
     buffer.mul_(1.0 / dist.get_world_size())
     work = dist.all_reduce(buffer, async_op=True)
     return aborts.abortable(work.get_future()).then(lambda fut: fut.value()[0])
+
+
+def mean_across_replicas(replicas: dist.ProcessGroup, count: int
+                         ) -> Callable[[torch.Tensor], None]:
+    """HSDP's all-reduce hook (FSDP2's ``set_all_reduce_hook``, worker/sharding.py): a
+    replica group's reduced gradient shard averaged over the ``count`` groups, waited for
+    through an abortable future."""
+
+    def hook(gradient: torch.Tensor) -> None:
+        aborts.wait(dist.all_reduce(gradient, group=replicas, async_op=True), gradient)
+        gradient.div_(count)
+
+    return hook
 
 
 # DDP checks a hook's annotations against the types themselves, not their names.

@@ -48,13 +48,14 @@ from elastic_train.observe.events import (
     previous_incarnation,
 )
 from elastic_train.rundir import Publisher, RunDir
-from elastic_train.worker import aborts, distributed
+from elastic_train.worker import aborts, distributed, sharded_recovery
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.live_world import LiveWorld, LostMembers
 from elastic_train.worker.memory_tier import MemoryTierClient
 from elastic_train.worker.preemption import StopRequest, node_stopped
 from elastic_train.worker.save_failure import SaveFailureStop
+from elastic_train.worker.sharded_recovery import ShardedLive
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
 OWN_FAILURE_GRACE = 2.0
@@ -102,6 +103,9 @@ class Rejoined:
     steps_redone: int
     bytes: int
     source_rank: int
+    from_checkpoint: bool = False
+    """A sharded model whose parts the members did not all hold: every member loaded the
+    newest checkpoint (``step`` is its step) instead of receiving the state."""
 
 
 def say_on_stderr(text: str) -> None:
@@ -236,6 +240,8 @@ class WorkerRuntime:
             self.env = env
         self.events.enabled = group.rank == 0
         self.checkpoints.group = group
+        if self.live is not None:  # a sharded save's temp directory is this world's own
+            self.checkpoints.generation = self.live.generation
         self.save_failure.group = group
         if moved:
             for callback in self.on_moved:
@@ -256,12 +262,13 @@ class WorkerRuntime:
         return self.live.announced(None if collective else OWN_FAILURE_GRACE) is not None
 
     def recover(self, objects: Mapping[str, Stateful], first: Callable[[], Rejoined],
-                step: int | None) -> Rejoined:
+                step: int | None, sharded: ShardedLive | None = None) -> Rejoined:
         """Re-form the world in place (``first``: ``rejoin`` or ``arrive``), again as often
         as a member is lost meanwhile (a newer generation announced while the group forms
         or the state is sent); ``step``: the step this member's state is at, None before
         it received any. ``LiveRecoveryError`` and errors no announcement explains are
-        raised (the agent then restarts the job from its newest checkpoint)."""
+        raised (the agent then restarts the job from its newest checkpoint). ``sharded``: a
+        sharded model's side (worker/sharded_recovery.py)."""
         assert self.live is not None
         attempt = first
         while True:
@@ -272,11 +279,11 @@ class WorkerRuntime:
             except Exception:
                 if self.live.announced() is None:
                     raise
-            attempt = functools.partial(self.rejoin, objects, step=step)
+            attempt = functools.partial(self.rejoin, objects, step=step, sharded=sharded)
 
     def rejoin(self, objects: Mapping[str, Stateful], *, step: int | None,
                attempted: int | None = None, failed_at: float | None = None,
-               failed: bool | None = None) -> Rejoined:
+               failed: bool | None = None, sharded: ShardedLive | None = None) -> Rejoined:
         """A member of a world that re-forms (a worker or a node was lost, or one joins):
         leave the old process group, meet every member of the new generation in a new one,
         and bring every member to the newest state.
@@ -285,6 +292,8 @@ class WorkerRuntime:
         has not received it yet); ``attempted``: the step it was in when its collective
         failed (None: it left at a step boundary, or holds the step it failed after);
         ``failed``: whether a failure brought it here (default: ``attempted`` is given).
+        ``sharded``: a sharded model's side, built again on the new group's mesh before
+        the state is shared (worker/sharded_recovery.py).
         Raises ``LiveRecoveryError`` when the members do not all come back, none holds
         state, or no new generation is announced (a boundary vote whose agent never
         tells); the worker then fails and the agent restarts the job from disk.
@@ -296,11 +305,16 @@ class WorkerRuntime:
                                     "announced no new generation; the job restarts from its "
                                     "newest checkpoint")
         aborts.abandon_group()
+        self.checkpoints.reformed()
         self.set_group(self.live.join(), self.live.env)
         failed = attempted is not None if failed is None else failed
         marks = {"failed_at" if failed else "paused_at": failed_at or time.time(),
                  "joined_at": time.time()}
-        return self._share_and_report(objects, step, attempted, previous_world, marks)
+        if sharded is not None:  # FSDP2 keeps its mesh's group: build it on the new one
+            objects = sharded.rebuild()
+            marks["rebuilt_at"] = time.time()
+        return self._share_and_report(objects, step, attempted, previous_world, marks,
+                                      sharded)
 
     def join_arriving(self) -> Group:
         """A worker started into a running world, built: join it (``arrive`` does, unless
@@ -312,21 +326,23 @@ class WorkerRuntime:
             self._joined_at = time.time()
         return self.group
 
-    def arrive(self, objects: Mapping[str, Stateful], started_at: float | None = None
-               ) -> Rejoined:
+    def arrive(self, objects: Mapping[str, Stateful], started_at: float | None = None,
+               sharded: ShardedLive | None = None) -> Rejoined:
         """A worker started into a running world: join it, receive the newest state from
-        one of its members."""
+        one of its members (``sharded``: a sharded model, built on this world's mesh)."""
         self.join_arriving()
         assert self._joined_at is not None
         marks = {"process_start": started_at or time.time(), "joined_at": self._joined_at}
-        return self._share_and_report(objects, None, None, self.group.world_size, marks)
+        return self._share_and_report(objects, None, None, self.group.world_size, marks,
+                                      sharded)
 
     def _share_and_report(self, objects: Mapping[str, Stateful], step: int | None,
                           attempted: int | None, previous_world: int,
-                          marks: dict[str, float]) -> Rejoined:
+                          marks: dict[str, float], sharded: ShardedLive | None = None
+                          ) -> Rejoined:
         assert self.live is not None
         generation = self.live.generation
-        rejoined = self.share_state(objects, step=step, attempted=attempted)
+        rejoined = self.share_state(objects, step=step, attempted=attempted, sharded=sharded)
         marks["state_at"] = time.time()
         failure = self.live.failure(generation)
         if failure.detected_at is not None:
@@ -342,6 +358,7 @@ class WorkerRuntime:
             seconds=round(since, 3) if since is not None else None, bytes=rejoined.bytes,
             generation=generation, source_rank=rejoined.source_rank, cause=failure.cause,
             lost_nodes=failure.lost_nodes or None,
+            state_from="checkpoint" if rejoined.from_checkpoint else "peers",
             marks={k: round(v, 6) for k, v in marks.items()}))
         if previous_world and previous_world != world:
             self.events.emit(Resize(old_world_size=previous_world, new_world_size=world,
@@ -353,9 +370,12 @@ class WorkerRuntime:
         return rejoined
 
     def share_state(self, objects: Mapping[str, Stateful], *, step: int | None,
-                    attempted: int | None = None) -> Rejoined:
+                    attempted: int | None = None, sharded: ShardedLive | None = None
+                    ) -> Rejoined:
         """Every member: the lowest rank holding the newest step sends its state to every
-        member behind it (one all-reduce of the steps, one broadcast of the state)."""
+        member behind it (one all-reduce of the steps, one broadcast of the state). A
+        sharded model's parts come from whoever holds them, else from the newest
+        checkpoint (worker/sharded_recovery.py)."""
         world, rank = self.group.world_size, self.group.rank
         # [steps held, steps attempted, writer epochs], each +1 so that 0 means none
         tally = torch.zeros(3 * world, dtype=torch.float64, device=self.group.device)
@@ -371,24 +391,38 @@ class WorkerRuntime:
         if newest < 0:
             raise LiveRecoveryError("no worker of the re-formed world holds the training "
                                     "state; the job restarts from its newest checkpoint")
+        redone = 1 if max(tried) > newest else 0
+        if sharded is not None:
+            shared = sharded_recovery.share(
+                self.group, objects, sharded.holding, held, newest,
+                restore=lambda: self.checkpoints.restore(dict(objects)))
+            rejoined = Rejoined(self.group, shared.step, redone + newest - shared.step,
+                                shared.bytes, shared.source_rank, shared.from_checkpoint)
+        else:
+            source = held.index(newest)
+            behind = [r for r, h in enumerate(held) if h < newest]
+            sent = 0
+            if behind:
+                states = {name: obj.state_dict() for name, obj in objects.items()} \
+                    if rank == source else None
+                received, sent = distributed.broadcast_state(self.group, states, source)
+                if rank in behind:
+                    assert received is not None
+                    for name, obj in objects.items():
+                        obj.load_state_dict(received[name])
+            rejoined = Rejoined(self.group, newest, redone, sent, source)
         fence = self.checkpoints.fence
-        if self.live is not None and self.live.plan.claim_epoch and rank == 0 \
-                and fence is not None:
+        if self.live is not None and self.live.plan.claim_epoch and fence is not None \
+                and not rejoined.from_checkpoint:  # a restore claims one itself
             # The writer of the world before is not in this one (a lost node, or one cut
-            # off): a new epoch fences whatever it may still commit (checkpoint/fence.py).
-            self.checkpoints.epoch = fence.claim(newest, self.env.run_id)
-        source = held.index(newest)
-        behind = [r for r, h in enumerate(held) if h < newest]
-        sent = 0
-        if behind:
-            states = {name: obj.state_dict() for name, obj in objects.items()} \
-                if rank == source else None
-            received, sent = distributed.broadcast_state(self.group, states, source)
-            if rank in behind:
-                assert received is not None
-                for name, obj in objects.items():
-                    obj.load_state_dict(received[name])
-        return Rejoined(self.group, newest, 1 if max(tried) > newest else 0, sent, source)
+            # off): a new epoch fences whatever it may still commit (checkpoint/fence.py),
+            # from the step the world goes on from.
+            if rank == 0:
+                self.checkpoints.epoch = fence.claim(rejoined.step, self.env.run_id)
+            if sharded is not None:  # every rank names its shards' directory by it
+                self.checkpoints.join_epoch(
+                    distributed.broadcast_json(self.group, self.checkpoints.epoch))
+        return rejoined
 
     # ---- the step watchdog ---------------------------------------------------------------
     def step_watchdog(self, step_timeout: float | None) -> StepWatchdog | NoWatchdog:
@@ -538,6 +572,9 @@ def _recovery_line(failure: LostMembers, before: int, after: int, generation: in
     """What rank 0 says about a live recovery."""
     state = (f"at step {rejoined.step}: {rejoined.bytes} bytes of state sent, "
              f"{rejoined.steps_redone} step redone")
+    if rejoined.from_checkpoint:
+        state = (f"from the newest checkpoint, at step {rejoined.step} (no member held the "
+                 f"lost shards; {rejoined.steps_redone} steps redone)")
     ranks = ", ".join(map(str, failure.ranks))
     if failure.cause == "node joined":
         return (f"live recovery: a node joined, the world grew in place from {before} to "

@@ -82,10 +82,12 @@ from elastic_train.worker.seeding import derive_seed
 from elastic_train.worker.timeline import process_start_time
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
-LIVE_NOT_SHARDED = ("live recovery of a sharded model (wrap(parallelism=\"fsdp\" or "
-                    "\"hsdp\")) is not built yet: this job restarts from its newest sharded "
-                    "checkpoint on a failure (ElasticSession(..., recovery=\"restart\") says so "
-                    "and silences this line)")
+LIVE_NOT_SHARDED = ("a hand-written loop with a sharded model (wrap(parallelism=\"fsdp\" or "
+                    "\"hsdp\")) is not recovered in place: a re-formed world needs the model "
+                    "and optimizer built again on its mesh, and the loop holds the ones it "
+                    "built; this job restarts from its newest sharded checkpoint on a failure "
+                    "(the built-in job, elastic-train run --parallelism, recovers in place; "
+                    "ElasticSession(..., recovery=\"restart\") silences this line)")
 LIVE_NEEDS_WRAP = ("live recovery needs the model wrapped by session.wrap(model) (in place "
                    "of DDP(model)), before restore(): this job restarts from its newest "
                    "checkpoint on a failure instead (ElasticSession(..., recovery=\"restart\") "

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from elastic_train.checkpoint.sharded import REPLICA
 from elastic_train.config import mesh_shape
 from elastic_train.worker.distributed import Group
 
@@ -36,16 +37,42 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: nn.Module, group: Group, parallelism: str,
                 replica_group_size: int = 0) -> nn.Module:
     """Wrap ``model`` (on ``group.device``) with FSDP2 over this world, in place; the
-    optimizer must be built after this (it takes the sharded parameters)."""
+    optimizer must be built after this (it takes the sharded parameters).
+
+    On gloo every collective of the sharded model is one a lost peer ends at once, as DDP's
+    gradient all-reduce is (data_parallel.py): gloo's own wait would sit out the collective
+    timeout, also for a peer that is alive but left for a re-formed world (live recovery).
+    So FSDP2's all-gathers and reduce-scatters wait through aborts.wait, and HSDP is FSDP2
+    on the replica group's own mesh with the all-reduce across the groups done by us (its
+    all-reduce hook). On NCCL, whose abort ends a collective, HSDP is FSDP2's own, on the
+    2-D mesh. Both average the gradients over every data-parallel rank.
+    """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     shape = mesh_shape(parallelism, group.world_size, replica_group_size)
     names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
     mesh = init_device_mesh(group.device.type, shape, mesh_dim_names=names)
+    waited = group.backend == "gloo"
+    if waited and len(shape) == 2:
+        sharded_on, across = mesh["shard"], mesh.get_group("replicate")
+        setattr(model, REPLICA, mesh.get_coordinate()[0])  # type: ignore[index]
+    else:
+        sharded_on, across = mesh, None
     for unit in shard_units(model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=sharded_on)
+    fully_shard(model, mesh=sharded_on)
+    if waited:
+        from elastic_train.worker import aborts, data_parallel, torch_seams
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                all_gather, reduce_scatter = torch_seams.fsdp_comms(aborts.wait)
+                module.set_custom_all_gather(all_gather)
+                module.set_custom_reduce_scatter(reduce_scatter)
+                if across is not None:
+                    module.set_all_reduce_hook(
+                        data_parallel.mean_across_replicas(across, shape[0]))
     return model
 
 

@@ -18,12 +18,14 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.torch_private import Private
 
 __all__ = ["REQUIRED", "default_store", "destroy_process_group_preceded_by", "dtensor_chunk",
+           "fsdp_comms",
            "group_shutdown_skipped", "groups_of_this_process", "keep_lr_scheduler_mark",
            "remove_gradient_hooks", "renew_reducer", "reset_group_count",
            "tensor_use_count"]
 
 _DDP = "torch.nn.parallel.distributed"
 _C10D = "torch.distributed.distributed_c10d"
+_FSDP_API = "torch.distributed.fsdp._fully_shard._fsdp_api"
 REQUIRED: tuple[Private, ...] = (
     Private(_DDP, "DistributedDataParallel._build_params_for_reducer",
             "to build a new reducer on a re-formed world (renew_reducer)", params=()),
@@ -57,6 +59,13 @@ REQUIRED: tuple[Private, ...] = (
     Private("torch.distributed.tensor", "DTensor.__create_chunk_list__",
             "where a rank's shard of a sharded tensor sits in the whole (dtensor_chunk: a "
             "sharded checkpoint's index, checkpoint/sharded.py)", params=()),
+    Private(_FSDP_API, "AllGather.__call__", "FSDP2's all-gather protocol, for one whose "
+            "wait a lost peer ends (fsdp_comms)",
+            params=("output_tensor", "input_tensor", "group", "async_op")),
+    Private(_FSDP_API, "ReduceScatter.__call__", "FSDP2's reduce-scatter protocol "
+            "(fsdp_comms)", params=("output_tensor", "input_tensor", "group", "op",
+                                    "async_op")),
+    Private(_FSDP_API, "Comm.allocate", "(fsdp_comms)", params=("size", "dtype", "device")),
 )
 
 
@@ -67,6 +76,40 @@ def dtensor_chunk(tensor: Any) -> tuple[list[int], list[int]]:
     if len(chunks) != 1:
         raise ValueError(f"a DTensor with {len(chunks)} local chunks is not supported")
     return list(chunks[0].offsets), list(chunks[0].sizes)
+
+
+def fsdp_comms(wait: Callable[..., None]) -> tuple[Any, Any]:
+    """An all-gather and a reduce-scatter for FSDP2 (``FSDPModule.set_custom_all_gather``
+    and ``set_custom_reduce_scatter`` take them) that run torch's own collectives and wait
+    for them through ``wait(work, *tensors)``: aborts.wait, which a lost peer ends at once
+    where gloo's own wait would sit out the timeout."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    def allocate(size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    class WaitedAllGather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device
+                     ) -> torch.Tensor:
+            return allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, async_op: bool = False) -> None:
+            wait(dist.all_gather_single(output_tensor, input_tensor, group=group,
+                                        async_op=True), output_tensor, input_tensor)
+
+    class WaitedReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device
+                     ) -> torch.Tensor:
+            return allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+            wait(dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
+                                            async_op=True), output_tensor, input_tensor)
+
+    return WaitedAllGather(), WaitedReduceScatter()
 
 
 def renew_reducer(ddp: DistributedDataParallel, group: dist.ProcessGroup) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.config import effective_recovery, parse_job_args
+from elastic_train.config import parse_job_args
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
 from elastic_train.live.spare import is_spare, take_place, wait_for_place
 from elastic_train.observe.metrics_server import WorkerEndpoint, serve_worker_metrics
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None, imported_at: float | None = None) ->
     try:
         config = parse_job_args(args)
         d = config.distributed
-        place = place_worker(env, config.run_dir, recovery=effective_recovery(config),
+        place = place_worker(env, config.run_dir, recovery=config.distributed.recovery,
                              backend=d.backend,
                              timeout_seconds=d.timeout_seconds,
                              restart_spelling="--recovery restart",

@@ -33,7 +33,7 @@ from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
 from elastic_train.rundir import RunDir
 from elastic_train.tasks.base import Task, collate
-from elastic_train.worker import data_parallel, sharding, torch_seams
+from elastic_train.worker import data_parallel, sharded_recovery, sharding, torch_seams
 from elastic_train.worker.batching import WorldBatch, plan_batch
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
@@ -41,6 +41,7 @@ from elastic_train.worker.live_world import LiveWorld
 from elastic_train.worker.runtime import GO_ON, Rejoined, Vote, WorkerRuntime
 from elastic_train.worker.sampler import ResumableSampler
 from elastic_train.worker.seeding import derive_seed
+from elastic_train.worker.sharded_recovery import ShardedLive
 from elastic_train.worker.timeline import process_start_time
 
 log = logging.getLogger(__name__)
@@ -164,9 +165,8 @@ class Trainer:
             else build_task(self.task, cfg.seed)
         self._built = None
         self.model = built.model.to(self.group.device)
-        if cfg.parallelism != "ddp":  # sharded in place, before the optimizer takes it
-            sharding.shard_model(self.model, self.group, cfg.parallelism,
-                                 cfg.replica_group_size or self.env.local_world_size)
+        if self.sharded:  # sharded in place, before the optimizer takes it
+            self._shard()
         self.dataset = built.dataset
         if len(self.dataset) < cfg.batch_size:
             raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(self.dataset)} "
@@ -175,11 +175,35 @@ class Trainer:
             raise ConfigError(f"--batch-size {cfg.batch_size} is smaller than the world size "
                               f"{self.group.world_size}: every rank needs at least one sample")
         self.sampler = ResumableSampler(len(self.dataset), cfg.seed)
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        cfg = self.config.train
         self.optimizer = self.task.build_optimizer(self.model, cfg.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.lr_schedule)
             * self.plan.lr_scale)
+
+    @property
+    def sharded(self) -> bool:
+        """``--parallelism fsdp|hsdp``: the model is sharded by FSDP2."""
+        return self.config.train.parallelism != "ddp"
+
+    def _shard(self) -> None:
+        cfg = self.config.train
+        sharding.shard_model(self.model, self.group, cfg.parallelism,
+                             cfg.replica_group_size or self.env.local_world_size)
+
+    def _rebuild_sharded(self) -> dict[str, Any]:
+        """A sharded model, its optimizer and scheduler built again on the mesh of the
+        world just re-formed (FSDP2 keeps the group it was built on); their values come
+        next (worker/sharded_recovery.py)."""
+        self.group, self.env = self.runtime.group, self.runtime.env
+        self.model = self.task.build_model().to(self.group.device)
+        self._shard()
+        self._build_optimizer()
+        return self._stateful()
 
     def _stateful(self) -> dict[str, Any]:
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
@@ -265,14 +289,19 @@ class Trainer:
         cfg = self.config.train
         live = self.runtime.live
         arriving = live is not None and live.arriving
+        if arriving and self.sharded:  # sharded on the mesh of the world it joins
+            self.group = self.runtime.join_arriving()
+            self.env = self.runtime.env
         self._build(arriving)
         restored = None
         if arriving:
             assert live is not None
             # Started into a running world: built, it joins, and a member sends the state.
+            received = ShardedLive(None, self._rebuild_sharded) if self.sharded else None
             self._rejoin(lambda: self.runtime.arrive(self._stateful(),
-                                                     self._marks.get("process_start")),
-                         has_state=False)
+                                                     self._marks.get("process_start"),
+                                                     sharded=received),
+                         has_state=False, sharded=received)
         else:
             self.runtime.start(total_steps=cfg.steps, threads=torch.get_num_threads(),
                                config=self.config.to_dict())
@@ -360,9 +389,10 @@ class Trainer:
         and its state. After a lost peer (``at_boundary`` False) the step in flight is
         redone unless some member finished it (then everyone takes that member's state);
         at a step boundary (a node joins) the step is committed and nothing is redone."""
-        # The old world's DDP must not reduce gradients any more: its hooks on the
-        # parameters go now, not when a garbage collection finds it.
-        torch_seams.remove_gradient_hooks(ddp)
+        if not self.sharded:
+            # The old world's DDP must not reduce gradients any more: its hooks on the
+            # parameters go now, not when a garbage collection finds it.
+            torch_seams.remove_gradient_hooks(ddp)
         self.watchdog.stop()
         world_before = self.group.world_size
         attempted = None if at_boundary else self.state.step + 1
@@ -370,8 +400,12 @@ class Trainer:
             self.sampler.load_state_dict(self._in_flight)
             self._in_flight = None
         self.optimizer.zero_grad(set_to_none=True)
+        # A sharded model is built again on the new mesh: what this rank holds is kept aside.
+        held = ShardedLive(sharded_recovery.hold(self._stateful()), self._rebuild_sharded) \
+            if self.sharded else None
         self._rejoin(lambda: self.runtime.rejoin(
-            self._stateful(), step=self.state.step, attempted=attempted, failed_at=failed_at))
+            self._stateful(), step=self.state.step, attempted=attempted, failed_at=failed_at,
+            sharded=held), sharded=held)
         if self.group.world_size != world_before:  # the batch policy of the new world
             self._plan_batch(None)
         new_ddp = self._wrap_model(in_sync=True)
@@ -379,12 +413,13 @@ class Trainer:
             self.config.distributed.step_timeout_seconds).start()
         return new_ddp
 
-    def _rejoin(self, first: Callable[[], Rejoined], has_state: bool = True) -> Rejoined:
+    def _rejoin(self, first: Callable[[], Rejoined], has_state: bool = True,
+                sharded: ShardedLive | None = None) -> Rejoined:
         """Re-form the world (``first``), again as often as a member is lost meanwhile (a
         newer generation announced while the group forms or the state is sent); this
         worker's group and place follow."""
         rejoined = self.runtime.recover(self._stateful(), first,
-                                        self.state.step if has_state else None)
+                                        self.state.step if has_state else None, sharded)
         if self.group.rank != rejoined.group.rank and self._samples_file is not None:
             self._samples_file.close()  # each rank's samples go to its own file
             self._samples_file = None

@@ -32,7 +32,6 @@ from elastic_train.checkpoint.storage import model_digest
 from elastic_train.tasks.base import TaskContext
 from elastic_train.tasks.gpt import make_task
 from tests.integration import harness
-from tests.integration.test_exact_resume import _incarnation_of
 from tests.integration.test_multinode import effective_steps
 
 pytestmark = pytest.mark.slow
@@ -80,29 +79,38 @@ def loaded(job: harness.Job) -> list[tuple[int, int | None, int]]:
             if e["event"] == "checkpoint_loaded"]
 
 
-def test_fsdp_sigkills_resume_bitwise_from_sharded_checkpoints(
+def recoveries(job: harness.Job) -> list[dict[str, Any]]:
+    return [e for e in job.events() if e["event"] == "recovery"]
+
+
+def test_fsdp_sigkills_recover_in_place_from_the_checkpoint_bitwise(
         fsdp_reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
-    """Three SIGKILLs in one ``elastic-train run`` (a sharded job restarts every worker
-    from its newest checkpoint): mid-interval (rank 1), right after a checkpoint (rank 1),
-    and rank 0, the committer, mid-interval."""
+    """Three SIGKILLs in one ``elastic-train run`` (live recovery, the default): mid-interval
+    (rank 1), right after a checkpoint (rank 1), and rank 0, the committer, mid-interval.
+    FSDP has no replica of a lost rank's shards: the survivor keeps its process, and every
+    rank goes back to the newest checkpoint, resharded on the new mesh, as a restart would."""
     reference, _ = fsdp_reference
     kills = [(1, lambda e: e["event"] == "step" and e["step"] == 12, 10),
              (1, lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20, 20),
              (0, lambda e: e["event"] == "step" and e["step"] == 33, 30)]
     run_dir = tmp_path / "run"
-    job = harness.elastic_run(run_dir, [*FSDP, "--max-restarts", str(len(kills))])
+    job = harness.elastic_run(run_dir, FSDP)
     try:
-        for restart, (rank, when, _) in enumerate(kills):
-            job.wait_for_event(lambda e, when=when, restart=restart:
-                               when(e) and _incarnation_of(job, e) == restart,
-                               timeout=TIMEOUT)
+        for count, (rank, when, _) in enumerate(kills):
+            job.wait_for_event(lambda e, when=when: when(e), timeout=TIMEOUT)
+            pids = job.worker_pids()
             job.kill_worker(rank)
+            job.wait_for_event(lambda e, count=count: e["event"] == "recovery"
+                               and len(recoveries(job)) > count, timeout=TIMEOUT)
+            survivor = 1 - rank
+            assert job.worker_pids()[survivor] == pids[survivor]  # kept its process
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
-    assert [step for step, _, _ in loaded(job)] == [resume for *_, resume in kills]
-    assert job.output().count("elastic-train: --parallelism fsdp recovers by restarting "
-                              "every worker from its newest sharded checkpoint") == 1
+    found = recoveries(job)
+    assert [(r["kind"], r["state_from"], r["step"], r["failed_ranks"]) for r in found] == [
+        ("live", "checkpoint", resume, [rank]) for rank, _, resume in kills], found
+    assert not [e for e in job.events() if e["event"] == "restart"]
     assert digests(run_dir) == reference  # every checkpoint, the final one included
     assert_each_sample_once(run_dir)
     final = run_dir / "checkpoints" / f"step-{STEPS:08d}"
@@ -111,21 +119,39 @@ def test_fsdp_sigkills_resume_bitwise_from_sharded_checkpoints(
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_hsdp_a_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
-    """4 workers, 2 replica groups of 2: the run killed once ends with the weights of the
-    run never killed; only the first replica group wrote shards."""
+def test_hsdp_killed_workers_take_their_shards_from_their_replica_group_bitwise(
+        tmp_path: Path) -> None:
+    """4 workers, 2 replica groups of 2, under ``elastic-train run``: a worker SIGKILLed
+    mid-interval (rank 3), then rank 0, the committer: each time the new worker receives
+    its shards from its peer in the other replica group, nothing goes back to a checkpoint,
+    and the run ends with the weights of a run never killed (torchrun's, with no kill);
+    only the first replica group wrote shards."""
     reference = tmp_path / "reference"
     job = harness.torchrun(reference, HSDP, nproc=4, max_restarts=0)
     assert job.wait(TIMEOUT) == 0, job.report()
     run_dir = tmp_path / "run"
-    job = harness.torchrun(run_dir, HSDP, nproc=4, max_restarts=2)
+    job = harness.elastic_run(run_dir, [*HSDP, "--nproc-per-node", "4"])
+    kills = [(3, 17), (0, 28)]
     try:
-        job.wait_for_event(lambda e: e["event"] == "step" and e["step"] == 17, TIMEOUT)
-        job.kill_worker(3)
+        for count, (rank, step) in enumerate(kills):
+            job.wait_for_event(lambda e, step=step: e["event"] == "step"
+                               and e["step"] == step, TIMEOUT)
+            pids = job.worker_pids()
+            job.kill_worker(rank)
+            job.wait_for_event(lambda e, count=count: e["event"] == "recovery"
+                               and len(recoveries(job)) > count, timeout=TIMEOUT)
+            assert {r: p for r, p in job.worker_pids().items() if r != rank} == \
+                {r: p for r, p in pids.items() if r != rank}
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
-    assert [step for step, _, _ in loaded(job)] == [15]
+    found = recoveries(job)
+    assert [(r["kind"], r["state_from"], r["failed_ranks"]) for r in found] == [
+        ("live", "peers", [rank]) for rank, _ in kills], found
+    for recovery, (_, step) in zip(found, kills, strict=True):
+        assert step <= recovery["step"] <= step + 1 and recovery["steps_redone"] <= 1
+        assert recovery["bytes"] > 0
+    assert [e["step"] for e in job.events() if e["event"] == "checkpoint_loaded"] == []
     assert digests(run_dir) == digests(reference)
     final = run_dir / "checkpoints" / f"step-{STEPS:08d}"
     assert sorted(p.name for p in final.glob("shard-*")) == [
@@ -228,8 +254,9 @@ def test_a_hand_written_fsdp_loop_killed_ends_with_the_weights_of_one_never_kill
         job.stop()
     assert [step for step, _, _ in loaded(job)] in ([20], [30]), loaded(job)
     if launcher != "torchrun":
-        assert job.output().count("live recovery of a sharded model (wrap(parallelism="
-                                  "\"fsdp\" or \"hsdp\")) is not built yet") == 1
+        assert job.output().count("a hand-written loop with a sharded model (wrap("
+                                  "parallelism=\"fsdp\" or \"hsdp\")) is not recovered in "
+                                  "place") == 1
     ours, theirs = load_file(run_dir / "final.safetensors"), \
         load_file(reference / "final.safetensors")
     assert ours.keys() == theirs.keys()

@@ -414,15 +414,6 @@ def test_the_save_failure_policy_from_a_file_is_checked_like_the_option(tmp_path
         "[checkpoint] on_save_failure = 1 is invalid: expected str"
 
 
-def test_a_sharded_job_restarts_from_its_checkpoint_until_live_recovery_of_shards_exists(
-        ) -> None:
-    from elastic_train.config import effective_recovery
-
-    assert effective_recovery(parse_job_args([])) == "live"
-    assert effective_recovery(parse_job_args(["--parallelism", "hsdp"])) == "restart"
-    assert effective_recovery(parse_job_args(["--recovery", "restart"])) == "restart"
-
-
 @pytest.mark.parametrize(("parallelism", "world", "group", "shape"), [
     ("fsdp", 3, 0, (3,)), ("hsdp", 4, 2, (2, 2)), ("hsdp", 6, 3, (2, 3)),
     ("hsdp", 2, 2, (1, 2))])
