@@ -20,6 +20,14 @@ against ``dcp.async_save``, interleaved in one run.
    ``checkpoint_loaded.seconds``, DDP and FSDP at the same world size; and FSDP
    stopped at world 2 (SIGTERM) and relaunched at world 3: the resharding restore's
    ``checkpoint_loaded.seconds`` and launch -> first step.
+4. Live recovery (``--recovery live``, the default) against the restart path, interleaved:
+   SIGKILL of worker 1 right after a ``checkpoint_saved``: fsdp restarting every worker
+   (the baseline), fsdp live (the survivor keeps its process; every rank loads the
+   checkpoint in place: no replica holds the lost shards), and hsdp live with 2 replica
+   groups of 1 (the new worker receives its shards from the other group; nothing is
+   loaded): kill -> next completed step, the ``recovery`` event's seconds, steps redone.
+
+    python benchmarks/sharded.py --skip-steady --skip-loop --skip-restore --reps 3
 """
 
 from __future__ import annotations
@@ -170,6 +178,56 @@ def _resized(run_dir: Path, p: Preset) -> dict[str, float]:
     return {"loaded": loaded["seconds"], "launch to first step": step["time"] - began}
 
 
+def _killed_live(run_dir: Path, p: Preset, parallelism: str, recovery: str,
+                 extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """Worker 1 SIGKILLed right after a checkpoint; the figures of its recovery."""
+    endless = dataclasses.replace(p, steps=100000)
+    job = harness.elastic_run(run_dir, [*_job(endless, p.every, parallelism), *extra,
+                                        "--recovery", recovery, "--max-restarts", "2"])
+    try:
+        job.wait_for_event(lambda e: e["event"] == "checkpoint_saved", 600)
+        killed_at = time.time()
+        job.kill_worker(1)
+        done = job.wait_for_event(lambda e: e["event"] == "recovery" and e["time"] > killed_at,
+                                  600)
+        step = job.wait_for_event(lambda e: e["event"] == "step" and e["time"] > done["time"],
+                                  600)
+    finally:
+        job.stop()
+    if recovery == "live":
+        assert done["kind"] == "live", done
+    return {"kill to next step": step["time"] - killed_at,
+            "steps redone": float(done["steps_redone"] or 0),
+            **({"recovery seconds": done["seconds"]} if done["seconds"] is not None else {})}
+
+
+LIVE_CASES = {"fsdp, restart": ("fsdp", "restart", ()),
+              "fsdp, live (checkpoint)": ("fsdp", "live", ()),
+              "hsdp 2x1, live (peers)": ("hsdp", "live", ("--replica-group-size", "1"))}
+
+
+def live(tmp: Path, p: Preset, reps: int) -> None:
+    found: dict[str, dict[str, list[float]]] = {case: {} for case in LIVE_CASES}
+    for r in range(reps):
+        order = list(LIVE_CASES)[r % len(LIVE_CASES):] + list(LIVE_CASES)[:r % len(LIVE_CASES)]
+        for i, case in enumerate(order):
+            parallelism, recovery, extra = LIVE_CASES[case]
+            figures = _killed_live(tmp / f"live-{r}-{i}" / "run", p, parallelism, recovery,
+                                   extra)
+            for key, value in figures.items():
+                found[case].setdefault(key, []).append(value)
+        print(f"  (live rep {r} done)", file=sys.stderr, flush=True)
+    print(f"\n## 4. Live recovery of sharded state (preset {p.name}; {reps} repetition(s)): "
+          "worker 1 SIGKILLed right after a checkpoint")
+    cases = list(LIVE_CASES)
+    print("| figure | " + " | ".join(cases) + " | fsdp live / restart | hsdp live / fsdp "
+          "restart |\n|---|" + "---|" * (len(cases) + 2))
+    for key in ("kill to next step", "recovery seconds", "steps redone"):
+        values = [found[c].get(key, []) for c in cases]
+        print(f"| {key} | " + " | ".join(_summary(v) for v in values)
+              + f" | {_ratio(values[1], values[0])} | {_ratio(values[2], values[0])} |")
+
+
 def restore(tmp: Path, p: Preset, reps: int) -> None:
     same: dict[str, dict[str, list[float]]] = {"ddp": {}, "fsdp": {}}
     resized: dict[str, list[float]] = {}
@@ -204,6 +262,7 @@ def main() -> int:
     parser.add_argument("--skip-steady", action="store_true")
     parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument("--skip-restore", action="store_true")
+    parser.add_argument("--skip-live", action="store_true")
     ns = parser.parse_args()
     p = dataclasses.replace(PRESETS[ns.preset], steps=ns.steps, every=ns.every)
     tmp = Path(tempfile.mkdtemp(prefix="et-sharded-"))
@@ -216,6 +275,8 @@ def main() -> int:
         loop(tmp, p, ns.every, ns.reps)
     if not ns.skip_restore:
         restore(tmp, p, ns.reps)
+    if not ns.skip_live:
+        live(tmp, p, ns.reps)
     print(f"\n(the whole invocation took {time.monotonic() - began:.0f} s)")
     return 0
 

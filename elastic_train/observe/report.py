@@ -155,10 +155,12 @@ def summary_lines(line: Timeline) -> list[str]:
                    f"step {failure.resumed_from} ({failure.lost_steps} steps redone); "
                    f"{downtime}")
     for n, rec in enumerate(line.live_recoveries, 1):
+        source = ("the newest checkpoint, loaded in place" if rec.get("state_from") ==
+                  "checkpoint" else f"{(rec.get('bytes') or 0) / 1e6:.1f} MB of state from "
+                  f"rank {rec.get('source_rank', '?')}")
         out.append(f"  live recovery {n}   {_what_changed(rec)} at step {rec['step']} "
-                   f"({rec.get('steps_redone') or 0} step redone, "
-                   f"{(rec.get('bytes') or 0) / 1e6:.1f} MB of state from rank "
-                   f"{rec.get('source_rank', '?')}){_recovery_seconds(rec)}")
+                   f"({rec.get('steps_redone') or 0} step redone, {source})"
+                   f"{_recovery_seconds(rec)}")
     for when, old, new in line.resizes:
         out.append(f"  resize            world size {old} -> {new} after "
                    f"{_duration(when - line.began)}")

@@ -261,15 +261,17 @@ def abandon_group() -> None:
     """Drop this worker's group after a lost peer, without waiting for its stuck work.
 
     NCCL's communicators are aborted; gloo's stuck waits end at the group's timeout on
-    threads nobody joins. The group is kept referenced until the process ends so that
-    no destructor joins them (worker/train.py ends such a process with ``os._exit``).
+    threads nobody joins. The groups are kept referenced until the process ends so that
+    no destructor joins them (worker/train.py ends such a process with ``os._exit``):
+    the world's, and those a device mesh made from it (HSDP's replica and shard groups).
     """
     if not dist.is_initialized():
         return
-    group = dist.group.WORLD
-    with contextlib.suppress(Exception):
-        group.abort()
-    _abandoned.append(group)
+    groups = torch_seams.groups_of_this_process() or [dist.group.WORLD]
+    for group in groups:
+        with contextlib.suppress(Exception):
+            group.abort()
+    _abandoned.extend(groups)
     with torch_seams.group_shutdown_skipped():
         dist.destroy_process_group()
 

@@ -149,3 +149,16 @@ def test_a_lost_and_a_joining_node_say_so_with_the_worlds(tmp_path: Path) -> Non
            "redone, 0.0 MB of state from rank 0); 0.20 s from detection" in text
     assert "  live recovery 2   a node joined, world 1 -> 2, at step 6 (0 step redone, 10.2 MB"\
            " of state from rank 0)\n" in text
+
+
+def test_a_sharded_recovery_through_the_checkpoint_says_so(tmp_path: Path) -> None:
+    events = records()
+    at = next(i for i, e in enumerate(events) if e.get("step") == 6)
+    events.insert(at + 1, {"event": "recovery", "time": 106.5, "kind": "live", "restart": 0,
+                           "step": 5, "world_size": 2, "previous_world_size": 2,
+                           "failed_ranks": [1], "steps_redone": 2, "seconds": 0.25,
+                           "bytes": 0, "generation": 1, "source_rank": -1,
+                           "state_from": "checkpoint"})
+    text = write_report(write(tmp_path / "run", events), plot=False).text
+    assert "  live recovery 1   rank 1 replaced at step 5 (2 step redone, the newest " \
+           "checkpoint, loaded in place); 0.25 s from detection to the state in place" in text
