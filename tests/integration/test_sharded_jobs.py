@@ -19,6 +19,7 @@ import json
 import shutil
 import signal
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -332,3 +333,53 @@ def test_fsdp_two_nodes_one_lost_then_one_joining_reshard_in_place(tmp_path: Pat
     assert [(e["step"], e["saved_world_size"], e["world_size"]) for e in loads] == [
         (shrink["step"], 2, 1)], loads
     assert measured.survivor_pids[0] == measured.survivor_pids[1] == measured.survivor_pids[2]
+
+
+def test_hsdp_a_lost_node_is_a_lost_replica_group_and_a_new_one_is_filled_by_the_peers(
+        tmp_path: Path) -> None:
+    """Two c10d nodes of two workers under ``--parallelism hsdp`` (one replica group per
+    node, the default): node b is killed, then node c joins. Every shard of node b has a
+    replica on node a, so the world of 2 goes on from its peers (no checkpoint is read),
+    and node c's workers receive their shards from node a's; node a's processes live
+    through both; each sample is used once, in order, per epoch."""
+    from tests.etcd_server import free_port
+    from tests.integration.test_multinode import JOB as NODE_JOB
+    from tests.integration.test_multinode import (
+        SLOW_EXPIRY,
+        assert_each_sample_once_in_order,
+        c10d_node,
+        first_recovery,
+        step_at,
+        worlds_of,
+    )
+
+    run_dir = tmp_path / "run"
+    start = c10d_node(tmp_path, free_port(), [
+        *NODE_JOB, "--parallelism", "hsdp", "--nproc-per-node", "2",
+        "--task-opt", "pace_world_2=0.4"], SLOW_EXPIRY)
+    nodes = [start("node-a"), start("node-b")]
+    try:
+        nodes[0].wait_for_event(step_at(4, min_step=12), TIMEOUT)
+        survivors = set(harness.workers_of(nodes[0].proc.pid).values())
+        killed_at = nodes[1].kill_node()
+        nodes[0].wait_for_event(step_at(2, after=killed_at), TIMEOUT)
+        joined_at = time.time()
+        nodes.append(start("node-c"))
+        nodes[0].wait_for_event(step_at(4, after=joined_at), TIMEOUT)
+        assert set(harness.workers_of(nodes[0].proc.pid).values()) == survivors
+        for node in (nodes[0], nodes[2]):
+            assert node.wait(TIMEOUT) == 0, node.report()
+    finally:
+        for node in nodes:
+            node.stop()
+    events = nodes[0].events()
+    assert worlds_of(events)[-3:] == [4, 2, 4], worlds_of(events)
+    shrink, grow = first_recovery(events, "node lost"), first_recovery(events, "node joined")
+    assert (shrink["kind"], shrink["state_from"], shrink["world_size"]) == \
+        ("live", "peers", 2), shrink
+    assert shrink["steps_redone"] <= 1
+    assert (grow["kind"], grow["state_from"], grow["steps_redone"], grow["world_size"]) == \
+        ("live", "peers", 0, 4), grow
+    assert grow["bytes"] > 0
+    assert [e for e in events if e["event"] == "checkpoint_loaded"] == []
+    assert_each_sample_once_in_order(run_dir)
