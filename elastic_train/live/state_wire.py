@@ -93,14 +93,17 @@ def read_header(header: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(header), map_location="cpu", weights_only=True)
 
 
-def unpack(header: dict[str, Any], data: torch.Tensor, device: torch.device) -> Any:
+def unpack(header: dict[str, Any], data: torch.Tensor, device: torch.device,
+           copy: bool = True) -> Any:
     """The states ``header`` and ``data`` carry. Each tensor is a copy of its own (on
-    ``device`` where it came from a GPU and ``device`` is one, else on the CPU)."""
+    ``device`` where it came from a GPU and ``device`` is one, else on the CPU); with
+    ``copy`` False, a view of ``data`` where it is already on that device (for a reader
+    that copies what it needs of them)."""
     tensors = []
     for start, dtype, shape, kind, requires_grad in header["layout"]:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         view = data[start:start + nbytes].view(dtype).reshape(shape)
         target = device if kind == "cuda" and device.type == "cuda" else torch.device("cpu")
-        tensor = view.to(target, copy=True)
+        tensor = view.to(target, copy=copy)
         tensors.append(tensor.requires_grad_() if requires_grad else tensor)
     return _fill(header["skeleton"], tensors)

@@ -182,9 +182,10 @@ def broadcast_json(group: Group, value: Any, src: int = 0) -> Any:
     return json.loads(broadcast_bytes(group, data, src).decode())
 
 
-def broadcast_state(group: Group, states: Mapping[str, Any] | None, src: int
-                    ) -> tuple[dict[str, Any] | None, int]:
-    """Send state dicts from ``src`` to every rank; (what arrived, bytes sent).
+def broadcast_state(group: Group, states: Mapping[str, Any] | None, src: int,
+                    copy: bool = True) -> tuple[dict[str, Any] | None, int]:
+    """Send state dicts from ``src`` to every rank; (what arrived, bytes sent; with
+    ``copy`` False its tensors are views of the received buffer where they can be).
 
     Two broadcasts (live/state_wire.py): the structure around the tensors (``torch.save``, read
     back ``weights_only``: a peer's bytes run no pickled code), then every tensor's bytes
@@ -202,7 +203,7 @@ def broadcast_state(group: Group, states: Mapping[str, Any] | None, src: int
     sent = len(header) + data.numel()
     if group.rank == src:
         return None, sent
-    return state_wire.unpack(layout, data, group.device), sent
+    return state_wire.unpack(layout, data, group.device, copy=copy), sent
 
 
 def sum_over_ranks(group: Group, values: torch.Tensor) -> list[float]:

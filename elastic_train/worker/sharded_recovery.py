@@ -160,21 +160,32 @@ def share(group: Group, objects: Mapping[str, Stateful], holding: Holding | None
 
     current = sharded.state_of({sharded.MODEL: objects[sharded.MODEL]})[sharded.MODEL]
     order = sorted(chosen)
+    regions: dict[str, tuple[list[int], list[int]]] = {}
     locals_: dict[str, torch.Tensor] = {}
-    regions: dict[str, list[int]] = {}
+
+    def put(path: str, offset: list[int], part: torch.Tensor) -> None:
+        """Fill this rank's region of ``path`` from ``part`` (at ``offset``): a part that
+        is exactly the region is taken as it is, with no copy."""
+        region, shape = regions[path]
+        if region == offset and shape == list(part.shape) and path not in locals_:
+            locals_[path] = part
+            return
+        if path not in locals_:
+            locals_[path] = torch.empty(shape, dtype=getattr(torch, wholes[path][1]))
+        overlap = _overlap(region, shape, offset, list(part.shape))
+        assert overlap is not None
+        locals_[path][overlap[0]] = part[overlap[1]]
+
     needed = torch.zeros(len(order), dtype=torch.float64, device=group.device)
     for i, (path, offset) in enumerate(order):
-        if path not in locals_:
-            like = sharded.sharded_like(path, current)
-            regions[path], shape = dtensor_chunk(like)
-            locals_[path] = torch.empty(shape, dtype=getattr(torch, wholes[path][1]))
+        if path not in regions:
+            regions[path] = dtensor_chunk(sharded.sharded_like(path, current))
         shape, _ = chosen[(path, offset)]
-        overlap = _overlap(regions[path], locals_[path].shape, list(offset), shape)
-        if overlap is None:
+        if _overlap(*regions[path], list(offset), shape) is None:
             continue
         own = mine.parts.get(path) if mine else None
         if own is not None and tuple(own[0]) == offset and list(own[1].shape) == shape:
-            locals_[path][overlap[0]] = own[1][overlap[1]]
+            put(path, list(offset), own[1])
         else:
             needed[i] = 1.0
     wanted = distributed.sum_over_ranks(group, needed.clone())  # in place: a copy
@@ -185,19 +196,16 @@ def share(group: Group, objects: Mapping[str, Stateful], holding: Holding | None
             continue
         payload = {str(i): mine.parts[order[i][0]][1] for i in keys} \
             if rank == source and mine else None
-        received, nbytes = distributed.broadcast_state(group, payload, source)
+        # views of the received buffer: put() copies only what it needs of them
+        received, nbytes = distributed.broadcast_state(group, payload, source, copy=False)
         sent += nbytes
-        if received is None:
-            continue
-        for name, part in received.items():
+        for name, part in (received or {}).items():
             i = int(name)
-            if not needed[i]:
-                continue
-            path, offset = order[i]
-            overlap = _overlap(regions[path], locals_[path].shape, list(offset),
-                               list(part.shape))
-            assert overlap is not None
-            locals_[path][overlap[0]] = part[overlap[1]]
+            if needed[i]:
+                put(order[i][0], list(order[i][1]), part)
+    for path, (_, shape) in regions.items():  # a region no part overlaps: nothing to fill
+        if path not in locals_:
+            locals_[path] = torch.empty(shape, dtype=getattr(torch, wholes[path][1]))
 
     source = held.index(newest)
     common = mine.common if mine else None

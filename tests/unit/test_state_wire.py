@@ -105,3 +105,16 @@ def test_a_header_with_pickled_code_is_refused() -> None:
                pickle_module=pickle)
     with pytest.raises(pickle.UnpicklingError):
         state_wire.read_header(buffer.getvalue())
+
+
+def test_unpacked_without_copy_the_tensors_are_views_of_the_buffer() -> None:
+    states = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 3}
+    packed = state_wire.pack(states, torch.device("cpu"))
+    received = torch.empty_like(packed.data).copy_(packed.data)
+    header = state_wire.read_header(packed.header)
+    buffer = received.untyped_storage().data_ptr()
+    out = state_wire.unpack(header, received, torch.device("cpu"), copy=False)
+    assert torch.equal(out["model"]["w"], states["model"]["w"]) and out["step"] == 3
+    assert out["model"]["w"].untyped_storage().data_ptr() == buffer
+    copied = state_wire.unpack(header, received, torch.device("cpu"))
+    assert copied["model"]["w"].untyped_storage().data_ptr() != buffer
