@@ -334,13 +334,7 @@ class CheckpointManager:
         if info.manifest is None:
             info = self.store.read_info(info.path, info.step)
         written_sharded = sharded.is_sharded_checkpoint(info.manifest)
-        if written_sharded != sharded.is_sharded(objects["model"]):
-            kinds = ("sharded (--parallelism fsdp or hsdp)", "unsharded (--parallelism ddp)")
-            raise CheckpointMismatchError(
-                f"checkpoint {info.path} is {kinds[not written_sharded]} and this job is "
-                f"{kinds[written_sharded]}: resume it with the --parallelism that wrote it, "
-                "or start a new --run-dir from its weights (elastic-train checkpoints "
-                "export)")
+        sharded.check_kind(info.path, info.manifest, sharded.is_sharded(objects["model"]))
         if written_sharded:
             sharded.restore_into(info, objects, map_location)
             return None

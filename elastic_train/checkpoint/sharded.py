@@ -95,6 +95,19 @@ def is_sharded_checkpoint(manifest: Mapping[str, Any] | None) -> bool:
     return manifest is not None and SHARDED in manifest
 
 
+def check_kind(path: object, manifest: Mapping[str, Any] | None, job_sharded: bool) -> None:
+    """Refuse a checkpoint written sharded by an unsharded job, or the other way round:
+    resuming it needs the ``--parallelism`` that wrote it (or an export of its weights)."""
+    written_sharded = is_sharded_checkpoint(manifest)
+    if written_sharded == job_sharded:
+        return
+    kinds = ("sharded (--parallelism fsdp or hsdp)", "unsharded (--parallelism ddp)")
+    raise CheckpointMismatchError(
+        f"checkpoint {path} is {kinds[not written_sharded]} and this job is "
+        f"{kinds[written_sharded]}: resume it with the --parallelism that wrote it, "
+        "or start a new --run-dir from its weights (elastic-train checkpoints export)")
+
+
 def staging_dir(root: Path, step: int, epoch: int | None, generation: int = 0) -> Path:
     """The temp directory every rank of one save writes into (the same name on each:
     ``.tmp-`` so that a restore removes it if the save never commits). The writer epoch and

@@ -92,8 +92,10 @@ def run(shape: str, work: Path, *, worker_start: str = "forkserver", kill_rank: 
     return Outcome(code, time.monotonic() - started, job.output(), killed)
 
 
-PROGRESS = re.compile(r"Epoch 1 |step 10\b")
-"""A line each script prints once it is training (a few steps in)."""
+PROGRESS = re.compile(r"Training snapshot saved|step 10\b")
+"""A line each script prints once it is training (a few steps in); for the tutorial, the
+line rank 0 prints once its first snapshot is on disk (rank 1's ``Epoch 1`` line can come
+before it, and a kill then restarts the script from scratch)."""
 
 
 def _kill_when_running(job: harness.Job, rank: int, deadline: float) -> int | None:

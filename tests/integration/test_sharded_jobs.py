@@ -279,19 +279,20 @@ def test_a_hand_written_fsdp_loop_killed_ends_with_the_weights_of_one_never_kill
 
 def test_a_checkpoint_of_the_other_kind_is_refused_with_one_line_and_kept(
         fsdp_reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
-    """A sharded run resumed with --parallelism ddp: every rank refuses the checkpoint with
-    the same line; nothing in the run directory changes."""
+    """A sharded run resumed with --parallelism ddp: the launcher refuses the checkpoint with
+    one line before any worker starts (exit 3); nothing in the run directory changes."""
     _, reference_dir = fsdp_reference
     run_dir = tmp_path / "run"
     shutil.copytree(reference_dir, run_dir)
     before = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
     job = harness.elastic_run(run_dir, [*JOB, "--steps", str(STEPS + 5), "--max-restarts", "0"])
-    assert job.wait(TIMEOUT) == 1, job.report()
-    assert (f"elastic-train: job failed: rank 0 failed: CheckpointMismatchError: checkpoint "
-            f"{run_dir}/checkpoints/step-{STEPS:08d} is sharded (--parallelism fsdp or hsdp) "
-            "and this job is unsharded (--parallelism ddp): resume it with the --parallelism "
-            "that wrote it, or start a new --run-dir from its weights (elastic-train "
-            "checkpoints export)") in job.output(), job.output()[-2000:]
+    assert job.wait(TIMEOUT) == 3, job.report()
+    assert job.output().strip().splitlines()[-1] == (
+        f"elastic-train: error: checkpoint {run_dir}/checkpoints/step-{STEPS:08d} is sharded "
+        "(--parallelism fsdp or hsdp) and this job is unsharded (--parallelism ddp): resume "
+        "it with the --parallelism that wrote it, or start a new --run-dir from its weights "
+        "(elastic-train checkpoints export)"), job.output()[-2000:]
+    assert "[rank 0]" not in job.output()  # no worker started
     after = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
     assert after == before
 
