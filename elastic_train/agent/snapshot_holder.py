@@ -11,6 +11,11 @@ The protocol is live/memory_tier.py's; the workers' client is worker/memory_tier
   holder costs about one payload, plus the one arriving while it is checked (sha256 and
   length, before it replaces the held one), plus one being sent to a reader that started
   before a replacement. A payload over ``max_bytes`` is refused (413) before it is read.
+  A sharded checkpoint's parts are kept per ``(run, part)``, the newest two of each (a
+  rank killed while the others offer the next save leaves that one incomplete: the one
+  before still is): this node's ranks' and the copies of another node's, about four times
+  the node's share of the model; a part beyond the newest save's world (it shrank) is let
+  go.
 - **Two nodes**: a snapshot a worker offers is copied to one other agent's holder before the
   holder answers (``replica_order``: the next agent of the rendezvous round on another host,
   else on this one; one more is tried if that one fails). The answer says how many copies
@@ -67,9 +72,12 @@ from elastic_train.live.memory_tier import (
     encode_manifest,
     is_newer,
     newest_of,
+    newest_query,
+    part_of,
     payload_query,
     replica_order,
     same_snapshot,
+    snapshot_key,
 )
 from elastic_train.thread_priority import lower_thread_priority
 
@@ -91,6 +99,8 @@ PEER_DOWN_SECONDS = 5.0
 REPLICA_TRIES = 2
 """Peers tried in turn for the second copy."""
 CHUNK = 1 << 20
+KEPT_PER_PART = 2
+"""Snapshots kept of each part of a sharded checkpoint (the newest, and the one before)."""
 
 
 def parse_size(text: str) -> int:
@@ -158,7 +168,9 @@ class SnapshotHolder:
         """The run whose snapshots it keeps (another's are refused); None: any run."""
         self.max_bytes = max_bytes
         self.token = token or secrets.token_urlsafe(32)
-        self._held: dict[str, _Held] = {}
+        self._held: dict[tuple[str, int | None], list[_Held]] = {}
+        """By ``(run_id, part)``, newest first: part None is an unsharded snapshot (one
+        kept), a part of a sharded one keeps ``KEPT_PER_PART``."""
         self.uploads = PayloadUploads()
         """The payloads it uploads to the run's object store for its workers."""
         self._lock = threading.Lock()
@@ -216,11 +228,17 @@ class SnapshotHolder:
         with self._lock:
             return list(self._peers)
 
-    def held(self, run_id: str) -> dict[str, Any] | None:
-        """The manifest of what this holder keeps for ``run_id``."""
+    def held(self, run_id: str, part: int | None = None) -> dict[str, Any] | None:
+        """The manifest of what this holder keeps for ``run_id`` (its ``part``)."""
         with self._lock:
-            found = self._held.get(run_id)
-            return dict(found.manifest) if found is not None else None
+            found = self._held.get((run_id, part))
+            return dict(found[0].manifest) if found else None
+
+    def kept(self, run_id: str, part: int) -> list[dict[str, Any]]:
+        """The manifests this holder keeps of ``part`` of ``run_id``'s sharded
+        checkpoints, newest first."""
+        with self._lock:
+            return [dict(h.manifest) for h in self._held.get((run_id, part), [])]
 
     # ---- what the handler does ---------------------------------------------------------
     def authorized(self, header: str | None) -> bool:
@@ -235,7 +253,7 @@ class SnapshotHolder:
         if manifest["bytes"] > self.max_bytes:
             return 413, (f"a payload of {manifest['bytes']} bytes is over this holder's "
                          f"limit of {self.max_bytes} (--memory-tier-limit)")
-        held = self.held(manifest["run_id"])
+        held = self.held(manifest["run_id"], part_of(manifest))
         if not is_newer(manifest, held):
             assert held is not None
             return 409, (f"a newer snapshot is held (writer epoch {held['writer_epoch']}, "
@@ -244,13 +262,21 @@ class SnapshotHolder:
 
     def keep(self, manifest: dict[str, Any], payload: bytearray) -> bool:
         """Keep ``payload`` (checked already) unless a newer one arrived meanwhile."""
+        run_id, part = manifest["run_id"], part_of(manifest)
         with self._lock:
-            held = self._held.get(manifest["run_id"])
-            if not is_newer(manifest, held.manifest if held is not None else None):
+            held = self._held.get((run_id, part), [])
+            if not is_newer(manifest, held[0].manifest if held else None):
                 return False
-            self._held[manifest["run_id"]] = _Held(manifest, payload)
-        log.debug("memory tier: holding step %d (writer epoch %d, %d bytes)",
-                  manifest["step"], manifest["writer_epoch"], len(payload))
+            older = [h for h in held if snapshot_key(h.manifest) != snapshot_key(manifest)]
+            self._held[(run_id, part)] = [_Held(manifest, payload)] + (
+                older[:KEPT_PER_PART - 1] if part is not None else [])
+            if part is not None:  # parts beyond this save's world (it shrank) are let go
+                for key in [k for k, h in self._held.items() if k[0] == run_id
+                            and k[1] is not None and k[1] >= manifest["parts"]
+                            and is_newer(manifest, h[0].manifest)]:
+                    del self._held[key]
+        log.debug("memory tier: holding step %d (writer epoch %d, part %s, %d bytes)",
+                  manifest["step"], manifest["writer_epoch"], part, len(payload))
         return True
 
     def replicate(self, manifest: Mapping[str, Any], payload: bytearray) -> list[str]:
@@ -277,23 +303,34 @@ class SnapshotHolder:
                         peer.url, manifest["step"], answer.status, _error_of(answer))
         return []
 
-    def newest(self, run_id: str, ask_peers: bool) -> tuple[dict[str, Any] | None, list[str]]:
-        """The newest manifest of ``run_id`` held here or (``ask_peers``) by a peer, and
-        the urls that hold it."""
-        found: list[tuple[str, dict[str, Any] | None]] = [(self.url, self.held(run_id))]
+    def newest(self, run_id: str, ask_peers: bool, part: int | None = None
+               ) -> tuple[dict[str, Any] | None, list[str], list[dict[str, Any]]]:
+        """The newest manifest of ``run_id`` (its ``part``) held here or (``ask_peers``)
+        by a peer, the urls that hold it, and (a part) every snapshot of that part held
+        here or there, newest first (``kept``)."""
+        mine = self.kept(run_id, part) if part is not None else []
+        found: list[tuple[str, dict[str, Any] | None, list[dict[str, Any]]]] = [
+            (self.url, self.held(run_id, part), mine)]
         if ask_peers:
-            found += self._ask_peers(run_id)
-        best = newest_of(m for _, m in found)
+            found += self._ask_peers(run_id, part)
+        best = newest_of(m for _, m, _ in found)
         if best is None:
-            return None, []
-        return best, [url for url, m in found if m is not None and same_snapshot(m, best)]
+            return None, [], []
+        kept: list[dict[str, Any]] = []
+        for manifest in sorted((k for _, _, ks in found for k in ks), key=snapshot_key,
+                               reverse=True):
+            if not any(same_snapshot(manifest, k) for k in kept):
+                kept.append(manifest)
+        return best, [url for url, m, _ in found
+                      if m is not None and same_snapshot(m, best)], kept
 
     def local_payload(self, wanted: Mapping[str, Any]) -> bytearray | None:
         with self._lock:
-            held = self._held.get(wanted["run_id"])
-        if held is None or not same_snapshot(held.manifest, wanted):
-            return None
-        return held.payload
+            held = self._held.get((wanted["run_id"], part_of(wanted)), [])
+        for one in held:
+            if same_snapshot(one.manifest, wanted):
+                return one.payload
+        return None
 
     def peer_payload(self, wanted: Mapping[str, Any]) -> Response | None:
         """A peer's answer with the payload ``wanted`` still to read (None: no peer has it)."""
@@ -320,23 +357,26 @@ class SnapshotHolder:
         with self._lock:
             self._down_until[url] = time.monotonic() + PEER_DOWN_SECONDS
 
-    def _ask_peers(self, run_id: str) -> list[tuple[str, dict[str, Any] | None]]:
-        """What each live peer holds for ``run_id``, asked at once (bounded)."""
-        answers: list[tuple[str, dict[str, Any] | None]] = []
+    def _ask_peers(self, run_id: str, part: int | None
+                   ) -> list[tuple[str, dict[str, Any] | None, list[dict[str, Any]]]]:
+        """What each live peer holds for ``run_id`` (its ``part``: also every snapshot of
+        it kept), asked at once (bounded)."""
+        answers: list[tuple[str, dict[str, Any] | None, list[dict[str, Any]]]] = []
         lock = threading.Lock()
-        path = NEWEST_PATH + "?" + urllib.parse.urlencode({"run_id": run_id, "peers": 0})
+        path = newest_query(run_id, peers=False, part=part)
 
         def ask(peer: HolderEntry) -> None:
             try:
                 answer = call(Endpoint(peer.url, peer.token), "GET", path,
                               connect_seconds=CONNECT_SECONDS, io_seconds=NEWEST_SECONDS)
-                manifest = check_manifest(answer.json()["manifest"]) \
-                    if answer.status == 200 and answer.json().get("manifest") else None
-            except (OSError, ValueError, KeyError, AttributeError):
+                found = answer.json() if answer.status == 200 else {}
+                manifest = check_manifest(found["manifest"]) if found.get("manifest") else None
+                kept = [check_manifest(k) for k in found.get("kept") or []]
+            except (OSError, ValueError, KeyError, AttributeError, TypeError):
                 self._mark_down(peer.url)
                 return
             with lock:
-                answers.append((peer.url, manifest))
+                answers.append((peer.url, manifest, kept))
 
         threads = [threading.Thread(target=ask, args=(p,), daemon=True)
                    for p in self._live_peers()]
@@ -359,8 +399,12 @@ def _error_of(answer: Response) -> str:
 def _wanted(query: Mapping[str, str]) -> dict[str, Any] | None:
     """The snapshot a query names (``payload_query``); None when it names none."""
     try:
-        return {"run_id": query["run_id"], "writer_epoch": int(query["writer_epoch"]),
-                "step": int(query["step"]), "sha256": query["sha256"]}
+        wanted: dict[str, Any] = {"run_id": query["run_id"],
+                                  "writer_epoch": int(query["writer_epoch"]),
+                                  "step": int(query["step"]), "sha256": query["sha256"]}
+        if "part" in query:
+            wanted["part"] = int(query["part"])
+        return wanted
     except (KeyError, ValueError):
         return None
 
@@ -479,8 +523,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not run_id:
             self._answer(400, {"error": "give run_id"})
         elif path == NEWEST_PATH:
-            manifest, held_by = holder.newest(run_id, ask_peers)
-            self._answer(200, {"manifest": manifest, "held_by": held_by})
+            try:
+                part = int(query["part"]) if "part" in query else None
+            except ValueError:
+                self._answer(400, {"error": "part is not a number"})
+                return
+            manifest, held_by, kept = holder.newest(run_id, ask_peers, part)
+            self._answer(200, {"manifest": manifest, "held_by": held_by, "kept": kept})
         elif path == PAYLOAD_PATH:
             self._payload(query, ask_peers)
         else:

@@ -18,6 +18,7 @@ an event), checks it fits the model, and broadcasts its choice; every rank loads
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
 import threading
@@ -87,6 +88,8 @@ class MemoryTier(Protocol):
     def offer(self, manifest: Mapping[str, Any], payload: bytes | memoryview) -> int: ...
 
     def newest(self) -> dict[str, Any] | None: ...
+
+    def kept(self, part: int) -> list[dict[str, Any]]: ...
 
     def fetch(self, manifest: Mapping[str, Any]) -> bytes: ...
 
@@ -166,13 +169,16 @@ class CheckpointManager:
         self._guarded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     # ---- restore -------------------------------------------------------------------------
-    def _choose(self, shapes: Mapping[str, list[Any]], use_memory: bool = True
-                ) -> dict[str, Any]:
+    def _choose(self, shapes: Mapping[str, list[Any]], use_memory: bool = True,
+                sharded_job: bool = False) -> dict[str, Any]:
         """Rank 0: the newest of the agents' memory snapshot and the newest durable
         checkpoint that verifies and fits (memory wins a tie), or why there is none."""
-        held = self._held_in_memory() if use_memory else None
-        if held is not None and held["step"] >= max(
-                (info.step for info in self.store.list()), default=-1):
+        held = None
+        if use_memory:
+            held = self._parts_in_memory() if sharded_job else self._held_in_memory()
+        durable_step = max((info.step for info in self.store.list()), default=-1) \
+            if held is not None else -1
+        if held is not None and held["step"] >= durable_step:
             # Nothing durable is newer: no payload is read (or downloaded) to verify it.
             for path in self.store.remove_leftovers():
                 log.warning("removed %s, left by a save or deletion that did not finish", path)
@@ -185,7 +191,8 @@ class CheckpointManager:
         assert held is not None
         return {"step": held["step"], "path": f"memory of {', '.join(held['held_by'])}",
                 "world_size": held.get("world_size"), "model_digest": held.get("model_digest"),
-                "time": held.get("time"), "memory": held["manifest"]}
+                "time": held.get("time"), "memory": held["manifest"],
+                "memory_parts": held.get("parts_held"), "durable_step": durable_step}
 
     def _held_in_memory(self) -> dict[str, Any] | None:
         """The memory tier's newest snapshot of this run if no newer world superseded it."""
@@ -203,6 +210,38 @@ class CheckpointManager:
         if superseded(manifest.get("writer_epoch"), int(manifest["step"]), claims):
             return None
         return {**manifest, "manifest": manifest, "held_by": [self.memory.endpoint.url]}
+
+    def _parts_in_memory(self) -> dict[str, Any] | None:
+        """The newest sharded checkpoint the memory tier holds every part of (all offered
+        by one save: the same writer epoch, step, generation and world), if no newer
+        world superseded it; its parts' manifests under ``parts_held``."""
+        if self.memory is None:
+            return None
+        try:
+            sets: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
+            first = self.memory.kept(0)
+            for manifest in first:
+                sets[_save_of(manifest)] = {0: manifest}
+            for part in range(1, max((int(m["parts"]) for m in first), default=0)):
+                for manifest in self.memory.kept(part):
+                    if _save_of(manifest) in sets:
+                        sets[_save_of(manifest)][part] = manifest
+        except ElasticTrainError as exc:
+            log.warning("the agents' memory tier did not answer (%s): restoring from %s",
+                        exc, self.store.root)
+            return None
+        claims = self.fence.claims() if self.fence is not None else []
+        for _, parts in sorted(sets.items(), key=lambda kv: kv[0][:2], reverse=True):
+            manifest = parts[0]
+            if len(parts) != int(manifest["parts"]):
+                log.info("the agents' memory holds %d of the %d parts of checkpoint %d: "
+                         "not that one", len(parts), manifest["parts"], manifest["step"])
+                continue
+            if superseded(manifest.get("writer_epoch"), int(manifest["step"]), claims):
+                continue
+            return {**manifest, "manifest": manifest, "held_by": [self.memory.endpoint.url],
+                    "parts_held": [parts[p] for p in range(len(parts))]}
+        return None
 
     def _choose_durable(self, shapes: Mapping[str, list[Any]]) -> dict[str, Any]:
         """Rank 0: the newest checkpoint that verifies and fits, or why there is none."""
@@ -253,8 +292,7 @@ class CheckpointManager:
         from the run directory instead."""
         # Every rank must reach the memory tier (a plain torchrun node joined to ours has
         # no agent holder): else every rank restores from the run directory.
-        use_memory = distributed.all_true(
-            self.group, self.memory is not None and not sharded.is_sharded(objects["model"]))
+        use_memory = distributed.all_true(self.group, self.memory is not None)
         try:
             return self._restore(objects, use_memory=use_memory)
         except _MemoryRestoreFailed:
@@ -266,7 +304,8 @@ class CheckpointManager:
         decision: dict[str, Any] | None = None
         if self.group.rank == 0:
             try:
-                decision = self._choose(tensor_shapes(model.state_dict()), use_memory)
+                decision = self._choose(tensor_shapes(model.state_dict()), use_memory,
+                                        sharded.is_sharded(model))
                 if self.fence is not None and "error" not in decision:
                     decision["epoch"] = self.fence.claim(decision["step"],
                                                          str(self.meta.get("run_id")))
@@ -288,7 +327,13 @@ class CheckpointManager:
         try:
             map_location = self.group.device if self.group.device.type == "cuda" else "cpu"
             payload = None
-            if from_memory is not None:
+            memory_parts = decision.get("memory_parts")
+            if from_memory is not None and memory_parts:
+                assert self.memory is not None
+                fetch = self.memory.fetch
+                sharded.restore_from_parts(lambda part: fetch(memory_parts[part]),
+                                           len(memory_parts), objects, map_location, path)
+            elif from_memory is not None:
                 assert self.memory is not None
                 payload = load_payload(io.BytesIO(self.memory.fetch(from_memory)), path,
                                        map_location)
@@ -325,6 +370,12 @@ class CheckpointManager:
                                           seconds=round(seconds, 6),
                                           source="storage" if from_memory is None
                                           else "memory"))
+        if from_memory is not None and decision["step"] > decision["durable_step"]:
+            # The memory tier held a save the run directory lacks (a rank died before its
+            # commit): write it now, so that the run directory has every checkpoint the
+            # policy asked for, in the background as any other.
+            self.last_saved_step = None
+            self.save(decision["step"], objects, reason="from_memory")
         return Restored(decision["step"], path, decision.get("world_size"), seconds)
 
     def _load_durable(self, info: CheckpointInfo, objects: Mapping[str, Stateful],
@@ -461,9 +512,12 @@ class CheckpointManager:
         abandoned = self._shards_awaited = threading.Event()
 
         def persist() -> None:
+            encoded = sharded.encode(shot)
+            if self.memory is not None:
+                self._offer_part(step, encoded, shot.rank, shot.world_size)
             if self.group.rank != 0:
                 try:
-                    sharded.write_rank(staging, shot)
+                    sharded.write_rank(staging, shot, encoded)
                 except OSError as exc:  # rank 0 waits for this shard in vain and reports it
                     log.warning("rank %d could not write its shard of checkpoint %d: %s",
                                 self.group.rank, step, exc)
@@ -476,7 +530,7 @@ class CheckpointManager:
             began, cpu_began = time.monotonic(), time.thread_time()
             try:
                 with self._committing(step):
-                    sharded.write_rank(staging, shot)
+                    sharded.write_rank(staging, shot, encoded)
                     info = sharded.commit(self.store, step, staging, shot.world_size,
                                           {**self.meta, "writer_epoch": self.epoch},
                                           timeout=self.policy.shard_timeout_seconds,
@@ -495,9 +549,21 @@ class CheckpointManager:
                 snapshot_seconds=round(snapshot_seconds, 6),
                 persist_seconds=round(time.monotonic() - began, 6),
                 persist_cpu_seconds=round(time.thread_time() - cpu_began, 6),
-                waited_seconds=round(waited, 6)))
+                waited_seconds=round(waited, 6), memory_copies=self.memory_copies,
+                memory_seconds=None if self.memory_seconds is None
+                else round(self.memory_seconds, 6)))
 
         self._dispatch(step, persist, wait)
+
+    def _offer_part(self, step: int, encoded: sharded.EncodedShards, rank: int,
+                    world_size: int) -> None:
+        """Give the agents' memory tier this rank's part of a sharded save (before its
+        durable write): every rank offers its own, under the same writer epoch, step and
+        generation, so that a restore finds them all (``_parts_in_memory``)."""
+        data = encoded.payload()
+        self._offer(step, Serialized(data, hashlib.sha256(data).hexdigest()),
+                    {"world_size": world_size},
+                    {"part": rank, "parts": world_size, "generation": self.generation})
 
     def _guard_next_step(self, optimizer: torch.optim.Optimizer, pending: PendingCopies) -> None:
         """Make ``optimizer``'s next step wait for ``pending``.
@@ -584,8 +650,8 @@ class CheckpointManager:
         if self.fence is not None and self.epoch is not None:
             self.fence.check(self.epoch, step)
 
-    def _offer(self, step: int, payload: Serialized, meta: Mapping[str, Any]
-               ) -> dict[str, Any] | None:
+    def _offer(self, step: int, payload: Serialized, meta: Mapping[str, Any],
+               extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         """Give the agents' memory tier the snapshot before the durable write; the
         manifest it holds it under (None: not held). A failure is said once per outage
         and never fails the save."""
@@ -599,7 +665,7 @@ class CheckpointManager:
         manifest = {"writer_epoch": self.epoch if self.epoch is not None else 0, "step": step,
                     "sha256": payload.sha256, "bytes": payload.bytes,
                     "world_size": meta.get("world_size"), "time": time.time(),
-                    "model_digest": meta.get("model_digest")}
+                    "model_digest": meta.get("model_digest"), **(extra or {})}
         try:
             self.memory_copies = self.memory.offer(manifest, payload.data)
         except ElasticTrainError as exc:
@@ -675,3 +741,9 @@ class CheckpointManager:
                         "checkpoints are deleted after the next one", step, exc)
         if self.on_commit is not None:
             self.on_commit()
+
+
+def _save_of(manifest: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What the parts of one sharded save share: writer epoch, step, generation, world."""
+    return (int(manifest["writer_epoch"]), int(manifest["step"]), manifest.get("generation"),
+            manifest.get("parts"))

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as safetensors_bytes
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -56,11 +57,12 @@ from elastic_train.checkpoint.storage import (
     model_digest,
     step_dirname,
 )
-from elastic_train.errors import CheckpointMismatchError, StorageError
+from elastic_train.errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
 from elastic_train.worker.torch_seams import dtensor_chunk
 
-__all__ = ["COMMON", "SHARDED", "Part", "SaveAbandoned", "ShardedSnapshot", "as_dtensor",
-           "commit", "full_tensors", "is_sharded", "load_state", "restore_into",
+__all__ = ["COMMON", "PART_MAGIC", "SHARDED", "EncodedShards", "Part", "SaveAbandoned",
+           "ShardedSnapshot", "as_dtensor", "check_kind", "commit", "encode", "full_tensors",
+           "is_sharded", "load_state", "read_part", "restore_from_parts", "restore_into",
            "sharded_like", "snapshot", "split_state", "staging_dir", "state_of",
            "write_rank"]
 
@@ -238,25 +240,60 @@ def _write_atomically(path: Path, data: bytes | memoryview) -> None:
     os.rename(tmp, path)
 
 
-def write_rank(staging: Path, shot: ShardedSnapshot) -> None:
-    """This rank's file (and rank 0's ``common.pt``), then its sidecar, into ``staging``."""
-    staging.mkdir(parents=True, exist_ok=True)
-    files: dict[str, dict[str, Any]] = {}
+@dataclass
+class EncodedShards:
+    """One rank's files of a save, serialised once: for its write into the save's
+    directory and, as one payload (``payload``), for the agents' memory tier."""
+
+    files: dict[str, bytes]
+    """``shard-R.safetensors`` (its parts) and, on rank 0, ``common.pt``."""
+    sidecar: dict[str, Any]
+    """Its parts' index entries and its files' sizes and sha256."""
+
+    def payload(self) -> bytes:
+        """``PART_MAGIC``, the length of a JSON header (8 bytes, little-endian), the header
+        (the sidecar, and where each file's bytes start and end), then the files' bytes."""
+        spans, at = {}, 0
+        for name, data in self.files.items():
+            spans[name] = [at, at + len(data)]
+            at += len(data)
+        header = json.dumps({"sidecar": self.sidecar, "spans": spans}).encode()
+        return b"".join([PART_MAGIC, len(header).to_bytes(8, "little"), header,
+                         *self.files.values()])
+
+
+PART_MAGIC = b"ETPART01"
+"""The first bytes of one rank's part as the memory tier holds it (``EncodedShards``)."""
+
+
+def encode(shot: ShardedSnapshot) -> EncodedShards:
+    """This rank's files of a save: its parts as safetensors, rank 0's common state as
+    ``torch.save`` bytes (read back weights-only), and the sidecar that indexes them."""
+    files: dict[str, bytes] = {}
     if shot.tensors:
-        data = safetensors_bytes({k: t.contiguous() for k, t in shot.tensors.items()})
-        _write_atomically(staging / shard_file(shot.rank), data)
-        files[shard_file(shot.rank)] = {"bytes": len(data),
-                                        "sha256": hashlib.sha256(data).hexdigest()}
+        files[shard_file(shot.rank)] = safetensors_bytes(
+            {k: t.contiguous() for k, t in shot.tensors.items()})
     if shot.common is not None:
         buffer = io.BytesIO()
         torch.save(shot.common, buffer)
-        view = buffer.getbuffer()
-        _write_atomically(staging / COMMON, view)
-        files[COMMON] = {"bytes": len(view), "sha256": hashlib.sha256(view).hexdigest()}
-    sidecar = {"rank": shot.rank, "world_size": shot.world_size, "files": files,
+        files[COMMON] = buffer.getvalue()
+    sidecar = {"rank": shot.rank, "world_size": shot.world_size,
+               "files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                         for name, data in files.items()},
                "parts": [{"path": p.path, "whole": p.whole, "dtype": p.dtype,
                           **p.entry(shard_file(shot.rank))} for p in shot.parts]}
-    _write_atomically(staging / sidecar_file(shot.rank), json.dumps(sidecar).encode())
+    return EncodedShards(files, sidecar)
+
+
+def write_rank(staging: Path, shot: ShardedSnapshot, encoded: EncodedShards | None = None
+               ) -> None:
+    """This rank's file (and rank 0's ``common.pt``), then its sidecar, into ``staging``
+    (``encoded``: the files serialised already, for the memory tier)."""
+    encoded = encoded or encode(shot)
+    staging.mkdir(parents=True, exist_ok=True)
+    for name, data in encoded.files.items():
+        _write_atomically(staging / name, data)
+    _write_atomically(staging / sidecar_file(shot.rank), json.dumps(encoded.sidecar).encode())
     fsync_dir(staging)
 
 
@@ -338,24 +375,31 @@ class _Files:
         return handle.get_slice(key)[region]
 
 
+def _copy_overlap(target: torch.Tensor, offset: list[int], part: Mapping[str, Any],
+                  read: Callable[[tuple[slice, ...]], torch.Tensor]) -> int:
+    """Copy into ``target`` (the region at ``offset`` of the whole tensor) what saved
+    ``part`` (its offset and shape) holds of it, read as ``read(region of the part)``; the
+    elements copied (0: they do not overlap)."""
+    mine, theirs = [], []
+    for o, n, po, pn in zip(offset, target.shape, part["offset"], part["shape"], strict=True):
+        lo, hi = max(o, po), min(o + n, po + pn)
+        if lo >= hi:
+            return 0
+        mine.append(slice(lo - o, hi - o))
+        theirs.append(slice(lo - po, hi - po))
+    region = read(tuple(theirs))
+    target[tuple(mine)] = region.to(target.dtype)
+    return region.numel()
+
+
 def _fill(target: torch.Tensor, offset: list[int], entry: Mapping[str, Any], files: _Files,
           path: str) -> None:
     """Copy into ``target`` (the region at ``offset`` of the whole tensor) every saved part
     that overlaps it; every element must be covered."""
     covered = 0
     for part in entry["parts"]:
-        mine, theirs = [], []
-        for o, n, po, pn in zip(offset, target.shape, part["offset"], part["shape"],
-                                strict=True):
-            lo, hi = max(o, po), min(o + n, po + pn)
-            if lo >= hi:
-                break
-            mine.append(slice(lo - o, hi - o))
-            theirs.append(slice(lo - po, hi - po))
-        else:
-            region = files.slice(part["file"], part["key"], tuple(theirs))
-            target[tuple(mine)] = region.to(target.dtype)
-            covered += region.numel()
+        covered += _copy_overlap(target, offset, part,
+                                 lambda region, p=part: files.slice(p["file"], p["key"], region))
     if covered != target.numel():
         raise CheckpointMismatchError(
             f"the checkpoint's parts of {path} cover {covered} of the {target.numel()} "
@@ -449,3 +493,101 @@ def restore_into(info: CheckpointInfo, objects: Mapping[str, Any],
             _fill(local, offset, entry, files, path)
         filled[path] = as_dtensor(local, like)
     load_state(objects, common, filled, f"checkpoint {info.path}")
+
+
+# ---- reading from the memory tier ------------------------------------------------------
+def read_part(payload: bytes, where: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """One rank's part as ``EncodedShards.payload`` made it: (its sidecar, its files'
+    bytes by name). Raises ``CheckpointCorruptError`` on anything else."""
+    try:
+        if payload[:len(PART_MAGIC)] != PART_MAGIC:
+            raise ValueError("not a part")
+        start = len(PART_MAGIC) + 8
+        size = int.from_bytes(payload[len(PART_MAGIC):start], "little")
+        header = json.loads(payload[start:start + size])
+        body = start + size
+        files = {name: payload[body + lo:body + hi]
+                 for name, (lo, hi) in header["spans"].items()}
+        if any(len(data) != header["sidecar"]["files"][name]["bytes"]
+               for name, data in files.items()):
+            raise ValueError("short")
+        return header["sidecar"], files
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(f"{where} is not a readable part of a sharded "
+                                     f"checkpoint ({exc}); it was not loaded") from None
+
+
+def _marked(tree: Any) -> list[str]:
+    """The paths of the sharded tensors ``common.pt``'s tree marks."""
+    if isinstance(tree, dict) and set(tree) == {MARK}:
+        return [tree[MARK]]
+    if isinstance(tree, dict):
+        return [p for v in tree.values() for p in _marked(v)]
+    if isinstance(tree, list | tuple):
+        return [p for v in tree for p in _marked(v)]
+    return []
+
+
+def _nearest_first(parts: int, model_state: Mapping[str, Any]) -> list[int]:
+    """The parts in the order to read them: part 0 (it carries the common state), then by
+    how near each one's share is to this rank's (on a resize a rank's region overlaps one
+    or two saved parts; reading stops once every element is in)."""
+    like = next((t for t in model_state.values() if isinstance(t, DTensor) and t.dim()), None)
+    mine = 0.5
+    if like is not None and like.shape[0]:
+        offset, shape = dtensor_chunk(like)
+        mine = (offset[0] + shape[0] / 2) / like.shape[0]
+    return [0, *sorted(range(1, parts), key=lambda p: abs((p + 0.5) / parts - mine))]
+
+
+def restore_from_parts(fetch: Callable[[int], bytes], parts: int, objects: Mapping[str, Any],
+                       map_location: str | torch.device, where: str) -> int:
+    """Load a sharded checkpoint held as ``parts`` parts (the memory tier's:
+    ``fetch(part)`` gives one's bytes) into ``objects``, resharded to this job's mesh. A
+    rank reads only the parts its region needs (and part 0's common state); the number it
+    read."""
+    current = state_of({MODEL: objects[MODEL]})[MODEL]
+    common: dict[str, Any] | None = None
+    targets: dict[str, tuple[DTensor, list[int], torch.Tensor]] = {}
+    covered: dict[str, int] = {}
+    read = 0
+    for part in _nearest_first(parts, current):
+        sidecar, files = read_part(fetch(part), f"part {part} of {where}")
+        read += 1
+        if common is None:
+            if COMMON not in files:
+                raise CheckpointCorruptError(f"part 0 of {where} has no {COMMON}; it was not "
+                                             "loaded")
+            common = load_payload(io.BytesIO(files[COMMON]), where, map_location)
+            for path in _marked(common):
+                like = sharded_like(path, current)
+                offset, shape = dtensor_chunk(like)
+                targets[path] = (like, offset, torch.empty(shape, dtype=like.dtype))
+                covered[path] = 0
+        tensors = load_safetensors(files[shard_file(part)]) if shard_file(part) in files \
+            else {}
+        for entry in sidecar["parts"]:
+            path = entry["path"]
+            if path not in targets:
+                raise CheckpointMismatchError(f"{where} holds a part of {path} that its common "
+                                              "state does not name: it is not one save's")
+            like, offset, local = targets[path]
+            if list(like.shape) != list(entry["whole"]):
+                raise CheckpointMismatchError(
+                    f"{where} is for another model: {path} is {entry['whole']} there and "
+                    f"{list(like.shape)} here; use a new --run-dir")
+            saved = tensors[entry["key"]]
+            covered[path] += _copy_overlap(local, offset, entry,
+                                           lambda region, t=saved: t[region])
+        if all(covered[p] == targets[p][2].numel() for p in targets):
+            break
+    assert common is not None
+    missing = [p for p in targets if covered[p] != targets[p][2].numel()]
+    if missing:
+        raise CheckpointMismatchError(
+            f"the {parts} parts of {where} cover {covered[missing[0]]} of the "
+            f"{targets[missing[0]][2].numel()} elements of {missing[0]} this rank needs: they "
+            "are not one complete save")
+    filled = {path: as_dtensor(local, like) for path, (like, _, local) in targets.items()}
+    load_state(objects, common, filled, where)
+    return read

@@ -11,15 +11,21 @@ rendezvous store (``HOLDER_KEY``: JSON ``{"url": ..., "token": ..., "host": ...}
 
 Every request carries ``Authorization: Bearer TOKEN`` (the token of the holder called).
 
+A sharded checkpoint (``--parallelism fsdp|hsdp``) is held as parts: each rank offers its
+own, its manifest naming ``part`` (the rank) and ``parts`` (the world size of the save). A
+holder keeps the newest snapshot of each ``(run_id, part)``; the queries below take
+``part=P`` to name one (without it: the unsharded snapshot).
+
 - ``PUT SNAPSHOT_PATH``: the body is the payload, ``MANIFEST_HEADER`` its manifest (JSON,
   at least ``REQUIRED``). Answers 200 ``{"copies": N, "held_by": [URL, ...], "manifest": M}``;
   400 (a bad manifest, a length or sha256 that do not match), 401, 409 (a newer snapshot
   is held, or another run's), 413 (over the holder's ``max_bytes``). A PUT with
   ``REPLICA_HEADER: 1`` comes from another holder and is not copied further.
-- ``GET NEWEST_PATH?run_id=R&peers=1``: ``{"manifest": M | null, "held_by": [URL, ...]}``,
-  the newest of this holder's and (``peers=1``) its peers'.
-- ``GET PAYLOAD_PATH?run_id=R&writer_epoch=E&step=S&sha256=H&peers=1``: the payload's
-  bytes, from this holder or (``peers=1``) through it from a peer that holds them; 404.
+- ``GET NEWEST_PATH?run_id=R&peers=1[&part=P]``: ``{"manifest": M | null, "held_by":
+  [URL, ...], "kept": [M, ...]}``, the newest of this holder's and (``peers=1``) its
+  peers'; ``kept``: with ``part``, every snapshot of that part they keep, newest first.
+- ``GET PAYLOAD_PATH?run_id=R&writer_epoch=E&step=S&sha256=H&peers=1[&part=P]``: the
+  payload's bytes, from this holder or (``peers=1``) through it from a peer that holds them; 404.
 - ``POST UPLOAD_PATH?run_id=R&writer_epoch=E&step=S&sha256=H`` (the object store written
   behind the memory tier): the body is JSON ``{"url": "s3://BUCKET/KEY", "storage": {...}}``
   (``storage``: the worker's ``StorageConfig`` fields that reach a store, its endpoint
@@ -45,7 +51,8 @@ __all__ = ["AUTHORIZATION", "BEARER", "HOLDER_KEY", "MANIFEST_HEADER", "MAX_MANI
            "SNAPSHOT_PATH", "UPLOAD_PATH",
            "Endpoint", "HolderEntry", "Response", "call", "check_manifest", "encode_manifest",
            "is_newer",
-           "newest_of", "payload_query", "replica_order", "same_snapshot", "snapshot_key"]
+           "newest_of", "newest_query", "part_of", "payload_query", "replica_order",
+           "same_snapshot", "snapshot_key"]
 
 SNAPSHOT_PATH = "/v1/snapshot"
 NEWEST_PATH = "/v1/newest"
@@ -85,6 +92,14 @@ def check_manifest(manifest: object) -> dict[str, Any]:
         raise ValueError("the manifest's sha256 is not 64 lower-case hex digits")
     if not isinstance(found["run_id"], str) or not found["run_id"]:
         raise ValueError("the manifest's run_id is not a non-empty string")
+    for key in ("part", "parts"):
+        value = found.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            raise ValueError(f"the manifest's {key} is not a non-negative integer")
+    if (found.get("part") is None) != (found.get("parts") is None) or (
+            found.get("part") is not None and found["part"] >= found["parts"]):
+        raise ValueError("the manifest's part and parts go together, part below parts")
     if len(encode_manifest(found)) > MAX_MANIFEST_BYTES:
         raise ValueError(f"the manifest is over {MAX_MANIFEST_BYTES} bytes of JSON")
     return found
@@ -106,9 +121,15 @@ def is_newer(candidate: Mapping[str, Any], held: Mapping[str, Any] | None) -> bo
     return held is None or snapshot_key(candidate) >= snapshot_key(held)
 
 
+def part_of(manifest: Mapping[str, Any]) -> int | None:
+    """The part of a sharded checkpoint ``manifest`` names (a rank); None: unsharded."""
+    part = manifest.get("part")
+    return int(part) if part is not None else None
+
+
 def same_snapshot(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return snapshot_key(a) == snapshot_key(b) and a["sha256"] == b["sha256"] \
-        and a["run_id"] == b["run_id"]
+        and a["run_id"] == b["run_id"] and part_of(a) == part_of(b)
 
 
 def newest_of(manifests: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] | None:
@@ -124,9 +145,19 @@ def newest_of(manifests: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] |
 def payload_query(manifest: Mapping[str, Any], peers: bool, path: str = PAYLOAD_PATH) -> str:
     """``path`` (``PAYLOAD_PATH``, ``UPLOAD_PATH``) with the query that names
     ``manifest``'s payload."""
-    return path + "?" + urllib.parse.urlencode({
-        "run_id": manifest["run_id"], "writer_epoch": manifest["writer_epoch"],
-        "step": manifest["step"], "sha256": manifest["sha256"], "peers": int(peers)})
+    query = {"run_id": manifest["run_id"], "writer_epoch": manifest["writer_epoch"],
+             "step": manifest["step"], "sha256": manifest["sha256"], "peers": int(peers)}
+    if part_of(manifest) is not None:
+        query["part"] = part_of(manifest)
+    return path + "?" + urllib.parse.urlencode(query)
+
+
+def newest_query(run_id: str, peers: bool, part: int | None = None) -> str:
+    """``NEWEST_PATH`` with the query for ``run_id``'s newest snapshot (of ``part``)."""
+    query: dict[str, Any] = {"run_id": run_id, "peers": int(peers)}
+    if part is not None:
+        query["part"] = part
+    return NEWEST_PATH + "?" + urllib.parse.urlencode(query)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,12 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
 from elastic_train.errors import MemoryTierError, StorageRefusedError, StorageUnavailableError
 from elastic_train.live.memory_tier import (
     MANIFEST_HEADER,
-    NEWEST_PATH,
     SNAPSHOT_PATH,
     UPLOAD_PATH,
     Endpoint,
@@ -35,6 +33,7 @@ from elastic_train.live.memory_tier import (
     call,
     check_manifest,
     encode_manifest,
+    newest_query,
     payload_query,
 )
 from elastic_train.worker.env import read_worker_env
@@ -131,16 +130,28 @@ class MemoryTierClient:
                 raise failure(str(found.get("error", "")))
         raise self._refused(answer, f"did not upload step {checked['step']} to {url}")
 
-    def newest(self) -> dict[str, Any] | None:
-        """The manifest of the newest snapshot of this run that the agents' holders keep
-        (this node's and its peers'), or None. Raises ``MemoryTierError``."""
-        path = NEWEST_PATH + "?" + urllib.parse.urlencode({"run_id": self.run_id, "peers": 1})
-        answer = self._call("GET", path)
+    def newest(self, part: int | None = None) -> dict[str, Any] | None:
+        """The manifest of the newest snapshot of this run (of a sharded checkpoint's
+        ``part``) that the agents' holders keep (this node's and its peers'), or None.
+        Raises ``MemoryTierError``."""
+        answer = self._call("GET", newest_query(self.run_id, peers=True, part=part))
         if answer.status != 200:
             raise self._refused(answer, "did not say what it holds")
         try:
             found = answer.json().get("manifest")
             return check_manifest(found) if found is not None else None
+        except (ValueError, AttributeError) as exc:
+            raise MemoryTierError(f"memory tier: the holder at {self.endpoint.url} answered "
+                                  f"a bad manifest ({exc})") from None
+
+    def kept(self, part: int) -> list[dict[str, Any]]:
+        """Every snapshot of ``part`` of this run's sharded checkpoints that the agents'
+        holders keep, newest first. Raises ``MemoryTierError``."""
+        answer = self._call("GET", newest_query(self.run_id, peers=True, part=part))
+        if answer.status != 200:
+            raise self._refused(answer, f"did not say which snapshots of part {part} it holds")
+        try:
+            return [check_manifest(k) for k in answer.json().get("kept") or []]
         except (ValueError, AttributeError) as exc:
             raise MemoryTierError(f"memory tier: the holder at {self.endpoint.url} answered "
                                   f"a bad manifest ({exc})") from None

@@ -9,6 +9,7 @@ checkpoint verifies either way, and removing the leftovers touches no checkpoint
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -86,3 +87,32 @@ def test_a_rank_killed_writing_its_shard_never_leaves_a_torn_checkpoint(tmp_path
         assert store.verify(newest).valid
     assert outcomes["given up"] > 0, outcomes
     assert all(store.verify(info).valid for info in store.list())
+
+
+def _torchrun(nproc: int, *args: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.integration import harness
+
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={nproc}", str(Path(__file__).with_name("sharded_parts_worker.py")),
+         *args], env=harness.job_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_the_memory_tiers_parts_reshard_to_any_world_reading_only_the_parts_needed(
+        tmp_path: Path) -> None:
+    """Parts of a save at world 4 (FSDP2 over 4 real gloo ranks), as each rank offers its
+    own to the memory tier, loaded at world 2 and 3: every parameter and Adam moment whole
+    is the saved one, bit for bit, and each rank read part 0 (the common state) and only the
+    parts its rows overlap (16 rows: 4 per saved part)."""
+    _torchrun(4, "save", str(tmp_path))
+    for world, reads in ((2, [2, 3]), (3, [2, 3, 2])):
+        _torchrun(world, "load", str(tmp_path))
+        found = [json.loads((tmp_path / f"load-{world}-{r}.json").read_text())
+                 for r in range(world)]
+        assert [f["equal"] for f in found] == [True] * world, found
+        assert [f["step"] for f in found] == [2] * world
+        assert [f["read"] for f in found] == reads, found

@@ -90,7 +90,8 @@ def test_fsdp_sigkills_recover_in_place_from_the_checkpoint_bitwise(
     (rank 1), right after a checkpoint (rank 1), as a checkpoint is written (rank 1), and
     rank 0, the committer, mid-interval.
     FSDP has no replica of a lost rank's shards: the survivor keeps its process, and every
-    rank goes back to the newest checkpoint, resharded on the new mesh, as a restart would."""
+    rank goes back to the newest checkpoint, resharded on the new mesh, as a restart would,
+    from the agents' memory tier."""
     reference, _ = fsdp_reference
     kills = [(1, lambda e: e["event"] == "step" and e["step"] == 12),
              (1, lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20),
@@ -113,14 +114,25 @@ def test_fsdp_sigkills_recover_in_place_from_the_checkpoint_bitwise(
     found = recoveries(job)
     assert [(r["kind"], r["state_from"], r["failed_ranks"]) for r in found] == [
         ("live", "checkpoint", [rank]) for rank, _ in kills], found
-    # The third kill comes as checkpoint 25 is written: rank 1 either wrote its shard
-    # first (25 commits, and is the one loaded), or never did, and rank 0 gave the save up.
+    # The third kill comes as checkpoint 25 is written: rank 1 either offered its part to
+    # the memory tier first (25 is whole there, and is the one loaded), or never did, and
+    # 20 is loaded (rank 0 gave the durable save of 25 up, unless rank 1 wrote it first).
     given_up = "WARNING elastic_train.checkpoint.manager: checkpoint 25 was given up: the " \
         "world re-formed before ranks [1] wrote their shards"
     resumed = [r["step"] for r in found]
     assert resumed in ([10, 20, 20, 30], [10, 20, 25, 30]), resumed
-    assert (resumed[2] == 20) == (given_up in job.output()), job.report()
+    assert resumed[2] == 25 or given_up in job.output(), job.report()
+    # 25 loaded from memory after the durable save was given up is written again, by the
+    # new world: the run directory ends with every checkpoint the policy asked for.
+    rewritten = [e["step"] for e in job.events()
+                 if e["event"] == "checkpoint_saved" and e["reason"] == "from_memory"]
+    assert rewritten == ([25] if resumed[2] == 25 and given_up in job.output() else []), \
+        rewritten
     assert not [e for e in job.events() if e["event"] == "restart"]
+    # Each rank offered its part to its agent's memory tier before writing it: every
+    # recovery read the parts from there, never the run directory.
+    assert [e["source"] for e in job.events() if e["event"] == "checkpoint_loaded"] == \
+        ["memory"] * len(kills)
     assert digests(run_dir) == reference  # every checkpoint, the final one included
     assert_each_sample_once(run_dir)
     final = run_dir / "checkpoints" / f"step-{STEPS:08d}"
@@ -301,8 +313,9 @@ def test_fsdp_two_nodes_one_lost_then_one_joining_reshard_in_place(tmp_path: Pat
     """Two nodes (c10d, one worker each) under ``--parallelism fsdp``: node b is killed,
     then node c joins. The shrink goes through the checkpoint (no member holds node b's
     shards): the survivor keeps its process and loads the newest checkpoint onto a mesh of
-    1; the grow reshards in place (the survivor holds every shard: it sends the new
-    worker its half of the new mesh, no checkpoint is read). The survivor's process lives
+    1, node b's part from the copy node a's agent holds of it (the memory tier); the grow
+    reshards in place (the survivor holds every shard: it sends the new worker its half of
+    the new mesh, no checkpoint is read). The survivor's process lives
     through both; the batch policy applies at each size; each sample is used once, in
     order, per epoch."""
     from tests.etcd_server import free_port
@@ -331,8 +344,8 @@ def test_fsdp_two_nodes_one_lost_then_one_joining_reshard_in_place(tmp_path: Pat
         ("live", "peers", 0, 2), grow
     assert grow["bytes"] > 0
     loads = [e for e in events if e["event"] == "checkpoint_loaded"]
-    assert [(e["step"], e["saved_world_size"], e["world_size"]) for e in loads] == [
-        (shrink["step"], 2, 1)], loads
+    assert [(e["step"], e["saved_world_size"], e["world_size"], e["source"])
+            for e in loads] == [(shrink["step"], 2, 1, "memory")], loads  # b's part: a copy
     assert measured.survivor_pids[0] == measured.survivor_pids[1] == measured.survivor_pids[2]
 
 

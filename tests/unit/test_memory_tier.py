@@ -268,3 +268,48 @@ def test_the_launcher_takes_the_memory_tier_options() -> None:
     assert ns.memory_tier == "off" and ns.memory_tier_limit == 2 * 1024 ** 3
     with pytest.raises(SystemExit):
         launcher_parser().parse_args(["--memory-tier-limit", "lots"])
+
+
+# ---- a sharded checkpoint's parts ------------------------------------------------------------
+def part(step: int, rank: int, parts: int, epoch: int = 1) -> tuple[dict[str, object], bytes]:
+    manifest, payload = snapshot(step, epoch, size=1024 + rank)
+    return {**manifest, "part": rank, "parts": parts, "generation": 0}, payload
+
+
+def test_each_rank_offers_its_part_and_the_holders_keep_the_newest_two_of_each(holders) -> None:
+    """Parts are held per rank beside the unsharded snapshot; each part keeps the save
+    before its newest (a rank killed while the others offer the next save leaves the
+    newest incomplete), and a reader through either agent sees every copy."""
+    a, b = holders
+    worker_a, worker_b = client(a), client(b)
+    for step in (5, 10, 15):
+        assert worker_a.offer(*part(step, 0, 2)) == 2
+        if step != 15:  # rank 1 dies before it offers its part of 15
+            assert worker_b.offer(*part(step, 1, 2)) == 2
+    assert [m["step"] for m in worker_a.kept(0)] == [15, 10]
+    assert [m["step"] for m in worker_b.kept(1)] == [10, 5]
+    assert worker_a.newest() is None  # no unsharded snapshot: parts are their own
+    wanted, payload = part(10, 1, 2)
+    assert worker_a.fetch(wanted) == payload
+    with pytest.raises(MemoryTierError, match="newer snapshot is held"):
+        worker_b.offer(*part(7, 1, 2))
+
+
+def test_parts_beyond_a_shrunken_world_are_let_go(holders) -> None:
+    a, _ = holders
+    worker = client(a)
+    for rank in range(3):
+        worker.offer(*part(5, rank, 3))
+    worker.offer(*part(10, 0, 2, epoch=2))
+    assert a.kept(RUN, 2) == [] and [m["step"] for m in a.kept(RUN, 1)] == [5]
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"part": 2, "parts": 2}, "part below parts"),
+    ({"part": 0}, "part and parts go together"),
+    ({"part": -1, "parts": 2}, "part is not a non-negative integer"),
+])
+def test_a_bad_part_is_refused_saying_what(change: dict[str, object], said: str) -> None:
+    manifest, _ = snapshot(5)
+    with pytest.raises(ValueError, match=said):
+        check_manifest({**manifest, **change})
