@@ -23,9 +23,11 @@ against ``dcp.async_save``, interleaved in one run.
 4. Live recovery (``--recovery live``, the default) against the restart path, interleaved:
    SIGKILL of worker 1 right after a ``checkpoint_saved``: fsdp restarting every worker
    (the baseline), fsdp live (the survivor keeps its process; every rank loads the
-   checkpoint in place: no replica holds the lost shards), and hsdp live with 2 replica
-   groups of 1 (the new worker receives its shards from the other group; nothing is
-   loaded): kill -> next completed step, the ``recovery`` event's seconds, steps redone.
+   checkpoint in place: no replica holds the lost shards), its parts from the agents'
+   memory tier (the default) or, ``--memory-tier off``, from the run directory, and hsdp
+   live with 2 replica groups of 1 (the new worker receives its shards from the other
+   group; nothing is loaded): kill -> next completed step, the ``recovery`` event's
+   seconds, ``checkpoint_loaded.seconds``, steps redone.
 
     python benchmarks/sharded.py --skip-steady --skip-loop --skip-restore --reps 3
 """
@@ -196,14 +198,29 @@ def _killed_live(run_dir: Path, p: Preset, parallelism: str, recovery: str,
         job.stop()
     if recovery == "live":
         assert done["kind"] == "live", done
+    loads = [e for e in job.events() if e["event"] == "checkpoint_loaded"
+             and e["time"] > killed_at]
+    source = "memory" if "on" in extra else "storage"
+    assert all(e["source"] == source for e in loads), loads
     return {"kill to next step": step["time"] - killed_at,
             "steps redone": float(done["steps_redone"] or 0),
-            **({"recovery seconds": done["seconds"]} if done["seconds"] is not None else {})}
+            **({"recovery seconds": done["seconds"]} if done["seconds"] is not None else {}),
+            **({"checkpoint_loaded.seconds": max(e["seconds"] for e in loads)}
+               if loads else {})}
 
 
-LIVE_CASES = {"fsdp, restart": ("fsdp", "restart", ()),
-              "fsdp, live (checkpoint)": ("fsdp", "live", ()),
-              "hsdp 2x1, live (peers)": ("hsdp", "live", ("--replica-group-size", "1"))}
+MEMORY = ("--memory-tier", "on")
+LIVE_CASES = {"fsdp, restart": ("fsdp", "restart", MEMORY),
+              "fsdp, live (checkpoint in memory)": ("fsdp", "live", MEMORY),
+              "fsdp, live (checkpoint on disk)": ("fsdp", "live", ()),
+              "hsdp 2x1, live (peers)": ("hsdp", "live", (*MEMORY, "--replica-group-size",
+                                                          "1")),
+              "hsdp 2x1, live (peers), memory tier off": ("hsdp", "live",
+                                                          ("--replica-group-size", "1"))}
+"""The restart baseline and the live cases, with the memory tier on as a user's job has it
+(the default) but for the ones marked off (``_job``'s ``--memory-tier off``): the fsdp
+one that reads the run directory, and hsdp's, which reads no checkpoint, to show what the
+tier's offers cost it; the restart also reads the checkpoint's parts from memory."""
 
 
 def live(tmp: Path, p: Preset, reps: int) -> None:
@@ -220,12 +237,15 @@ def live(tmp: Path, p: Preset, reps: int) -> None:
     print(f"\n## 4. Live recovery of sharded state (preset {p.name}; {reps} repetition(s)): "
           "worker 1 SIGKILLed right after a checkpoint")
     cases = list(LIVE_CASES)
-    print("| figure | " + " | ".join(cases) + " | fsdp live / restart | hsdp live / fsdp "
-          "restart |\n|---|" + "---|" * (len(cases) + 2))
-    for key in ("kill to next step", "recovery seconds", "steps redone"):
+    print("| figure | " + " | ".join(cases) + " | fsdp live (memory) / restart | fsdp live "
+          "(memory) / fsdp live (disk) | hsdp live / fsdp restart | hsdp live, memory tier "
+          "on / off |\n|---|" + "---|" * (len(cases) + 4))
+    for key in ("kill to next step", "recovery seconds", "checkpoint_loaded.seconds",
+                "steps redone"):
         values = [found[c].get(key, []) for c in cases]
         print(f"| {key} | " + " | ".join(_summary(v) for v in values)
-              + f" | {_ratio(values[1], values[0])} | {_ratio(values[2], values[0])} |")
+              + f" | {_ratio(values[1], values[0])} | {_ratio(values[1], values[2])} | "
+              f"{_ratio(values[3], values[0])} | {_ratio(values[3], values[4])} |")
 
 
 def restore(tmp: Path, p: Preset, reps: int) -> None:

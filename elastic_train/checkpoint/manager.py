@@ -558,12 +558,15 @@ class CheckpointManager:
     def _offer_part(self, step: int, encoded: sharded.EncodedShards, rank: int,
                     world_size: int) -> None:
         """Give the agents' memory tier this rank's part of a sharded save (before its
-        durable write): every rank offers its own, under the same writer epoch, step and
-        generation, so that a restore finds them all (``_parts_in_memory``)."""
-        data = encoded.payload()
-        self._offer(step, Serialized(data, hashlib.sha256(data).hexdigest()),
-                    {"world_size": world_size},
-                    {"part": rank, "parts": world_size, "generation": self.generation})
+        durable write): every rank offers its own (rank 0 also the common state, as part
+        ``world_size``), under the same writer epoch, step and generation, so that a
+        restore finds them all (``_parts_in_memory``)."""
+        for part, data in encoded.payloads().items():
+            if self._offer(step, Serialized(data, hashlib.sha256(data).hexdigest()),
+                           {"world_size": world_size},
+                           {"part": part, "parts": world_size + 1,
+                            "generation": self.generation}) is None:
+                return
 
     def _guard_next_step(self, optimizer: torch.optim.Optimizer, pending: PendingCopies) -> None:
         """Make ``optimizer``'s next step wait for ``pending``.

@@ -35,6 +35,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as safetensors_bytes
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -243,27 +243,41 @@ def _write_atomically(path: Path, data: bytes | memoryview) -> None:
 @dataclass
 class EncodedShards:
     """One rank's files of a save, serialised once: for its write into the save's
-    directory and, as one payload (``payload``), for the agents' memory tier."""
+    directory and, as payloads (``payloads``), for the agents' memory tier."""
 
+    rank: int
+    world_size: int
     files: dict[str, bytes]
     """``shard-R.safetensors`` (its parts) and, on rank 0, ``common.pt``."""
     sidecar: dict[str, Any]
     """Its parts' index entries and its files' sizes and sha256."""
 
-    def payload(self) -> bytes:
-        """``PART_MAGIC``, the length of a JSON header (8 bytes, little-endian), the header
-        (the sidecar, and where each file's bytes start and end), then the files' bytes."""
-        spans, at = {}, 0
-        for name, data in self.files.items():
-            spans[name] = [at, at + len(data)]
-            at += len(data)
-        header = json.dumps({"sidecar": self.sidecar, "spans": spans}).encode()
-        return b"".join([PART_MAGIC, len(header).to_bytes(8, "little"), header,
-                         *self.files.values()])
+    def payloads(self) -> dict[int, bytes]:
+        """What this rank gives the memory tier, by part: part R its shards, and on rank 0
+        part W (the world size) the common state, apart so that a rank that needs only
+        that does not fetch rank 0's shards too. Each one is ``PART_MAGIC``, the length of
+        a JSON header (8 bytes, little-endian), the header (the sidecar, and where each
+        file's bytes start and end), then the files' bytes."""
+        out = {self.rank: _framed(
+            {"rank": self.rank, "world_size": self.world_size, "parts": self.sidecar["parts"]},
+            {n: d for n, d in self.files.items() if n != COMMON})}
+        if COMMON in self.files:
+            out[self.world_size] = _framed({"rank": self.rank, "world_size": self.world_size,
+                                            "parts": []}, {COMMON: self.files[COMMON]})
+        return out
 
 
-PART_MAGIC = b"ETPART01"
-"""The first bytes of one rank's part as the memory tier holds it (``EncodedShards``)."""
+def _framed(sidecar: Mapping[str, Any], files: Mapping[str, bytes]) -> bytes:
+    spans, at = {}, 0
+    for name, data in files.items():
+        spans[name] = [at, at + len(data)]
+        at += len(data)
+    header = json.dumps({"sidecar": dict(sidecar), "spans": spans}).encode()
+    return b"".join([PART_MAGIC, len(header).to_bytes(8, "little"), header, *files.values()])
+
+
+PART_MAGIC = b"ETPART02"
+"""The first bytes of a part as the memory tier holds it (``EncodedShards.payloads``)."""
 
 
 def encode(shot: ShardedSnapshot) -> EncodedShards:
@@ -282,7 +296,7 @@ def encode(shot: ShardedSnapshot) -> EncodedShards:
                          for name, data in files.items()},
                "parts": [{"path": p.path, "whole": p.whole, "dtype": p.dtype,
                           **p.entry(shard_file(shot.rank))} for p in shot.parts]}
-    return EncodedShards(files, sidecar)
+    return EncodedShards(shot.rank, shot.world_size, files, sidecar)
 
 
 def write_rank(staging: Path, shot: ShardedSnapshot, encoded: EncodedShards | None = None
@@ -496,20 +510,45 @@ def restore_into(info: CheckpointInfo, objects: Mapping[str, Any],
 
 
 # ---- reading from the memory tier ------------------------------------------------------
-def read_part(payload: bytes, where: str) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """One rank's part as ``EncodedShards.payload`` made it: (its sidecar, its files'
-    bytes by name). Raises ``CheckpointCorruptError`` on anything else."""
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _safetensors_views(data: memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors bytes as views of ``data`` (no copy: a reader copies
+    only the regions it needs)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8:8 + size]))
+    body = data[8 + size:]
+    out = {}
+    with warnings.catch_warnings():  # read-only bytes: the views are only read
+        warnings.simplefilter("ignore", UserWarning)
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            flat = torch.frombuffer(body[begin:end], dtype=dtype) if end > begin \
+                else torch.empty(0, dtype=dtype)
+            out[key] = flat.reshape(info["shape"])
+    return out
+
+
+def read_part(payload: bytes, where: str) -> tuple[dict[str, Any], dict[str, memoryview]]:
+    """A part as ``EncodedShards.payloads`` made it: (its sidecar, its files' bytes by
+    name, views of ``payload``). Raises ``CheckpointCorruptError`` on anything else."""
     try:
-        if payload[:len(PART_MAGIC)] != PART_MAGIC:
+        view = memoryview(payload)
+        if bytes(view[:len(PART_MAGIC)]) != PART_MAGIC:
             raise ValueError("not a part")
         start = len(PART_MAGIC) + 8
-        size = int.from_bytes(payload[len(PART_MAGIC):start], "little")
-        header = json.loads(payload[start:start + size])
+        size = int.from_bytes(view[len(PART_MAGIC):start], "little")
+        header = json.loads(bytes(view[start:start + size]))
         body = start + size
-        files = {name: payload[body + lo:body + hi]
-                 for name, (lo, hi) in header["spans"].items()}
-        if any(len(data) != header["sidecar"]["files"][name]["bytes"]
-               for name, data in files.items()):
+        files = {name: view[body + lo:body + hi] for name, (lo, hi) in header["spans"].items()}
+        if any(hi > len(view) - body for lo, hi in header["spans"].values()):
             raise ValueError("short")
         return header["sidecar"], files
     except (ValueError, KeyError, TypeError) as exc:
@@ -528,43 +567,45 @@ def _marked(tree: Any) -> list[str]:
     return []
 
 
-def _nearest_first(parts: int, model_state: Mapping[str, Any]) -> list[int]:
-    """The parts in the order to read them: part 0 (it carries the common state), then by
-    how near each one's share is to this rank's (on a resize a rank's region overlaps one
-    or two saved parts; reading stops once every element is in)."""
+def _nearest_first(ranks: int, model_state: Mapping[str, Any]) -> list[int]:
+    """The saved ranks' parts in the order to read them: by how near each one's share is
+    to this rank's (on a resize a rank's region overlaps one or two saved parts; reading
+    stops once every element is in)."""
     like = next((t for t in model_state.values() if isinstance(t, DTensor) and t.dim()), None)
     mine = 0.5
     if like is not None and like.shape[0]:
         offset, shape = dtensor_chunk(like)
         mine = (offset[0] + shape[0] / 2) / like.shape[0]
-    return [0, *sorted(range(1, parts), key=lambda p: abs((p + 0.5) / parts - mine))]
+    return sorted(range(ranks), key=lambda p: abs((p + 0.5) / ranks - mine))
 
 
 def restore_from_parts(fetch: Callable[[int], bytes], parts: int, objects: Mapping[str, Any],
                        map_location: str | torch.device, where: str) -> int:
-    """Load a sharded checkpoint held as ``parts`` parts (the memory tier's:
-    ``fetch(part)`` gives one's bytes) into ``objects``, resharded to this job's mesh. A
-    rank reads only the parts its region needs (and part 0's common state); the number it
-    read."""
+    """Load a sharded checkpoint held as ``parts`` parts (the memory tier's: one per saved
+    rank, then the common state; ``fetch(part)`` gives one's bytes) into ``objects``,
+    resharded to this job's mesh. A rank reads the common state and only the parts its
+    region needs; the number of parts it read."""
     current = state_of({MODEL: objects[MODEL]})[MODEL]
-    common: dict[str, Any] | None = None
+    ranks = parts - 1
+    _, files = read_part(fetch(ranks), f"part {ranks} of {where}")
+    if COMMON not in files:
+        raise CheckpointCorruptError(f"part {ranks} of {where} has no {COMMON}; it was not "
+                                     "loaded")
+    common = load_payload(io.BytesIO(files[COMMON]), where, map_location)
     targets: dict[str, tuple[DTensor, list[int], torch.Tensor]] = {}
     covered: dict[str, int] = {}
-    read = 0
-    for part in _nearest_first(parts, current):
+    for path in _marked(common):
+        like = sharded_like(path, current)
+        offset, shape = dtensor_chunk(like)
+        targets[path] = (like, offset, torch.empty(shape, dtype=like.dtype))
+        covered[path] = 0
+    read = 1
+    for part in _nearest_first(ranks, current):
+        if all(covered[p] == targets[p][2].numel() for p in targets):
+            break
         sidecar, files = read_part(fetch(part), f"part {part} of {where}")
         read += 1
-        if common is None:
-            if COMMON not in files:
-                raise CheckpointCorruptError(f"part 0 of {where} has no {COMMON}; it was not "
-                                             "loaded")
-            common = load_payload(io.BytesIO(files[COMMON]), where, map_location)
-            for path in _marked(common):
-                like = sharded_like(path, current)
-                offset, shape = dtensor_chunk(like)
-                targets[path] = (like, offset, torch.empty(shape, dtype=like.dtype))
-                covered[path] = 0
-        tensors = load_safetensors(files[shard_file(part)]) if shard_file(part) in files \
+        tensors = _safetensors_views(files[shard_file(part)]) if shard_file(part) in files \
             else {}
         for entry in sidecar["parts"]:
             path = entry["path"]
@@ -579,13 +620,10 @@ def restore_from_parts(fetch: Callable[[int], bytes], parts: int, objects: Mappi
             saved = tensors[entry["key"]]
             covered[path] += _copy_overlap(local, offset, entry,
                                            lambda region, t=saved: t[region])
-        if all(covered[p] == targets[p][2].numel() for p in targets):
-            break
-    assert common is not None
     missing = [p for p in targets if covered[p] != targets[p][2].numel()]
     if missing:
         raise CheckpointMismatchError(
-            f"the {parts} parts of {where} cover {covered[missing[0]]} of the "
+            f"the {ranks} parts of {where} cover {covered[missing[0]]} of the "
             f"{targets[missing[0]][2].numel()} elements of {missing[0]} this rank needs: they "
             "are not one complete save")
     filled = {path: as_dtensor(local, like) for path, (like, _, local) in targets.items()}

@@ -1,10 +1,11 @@
 """Under torchrun (gloo, CPU): a small model sharded by FSDP2 over the world, and a sharded
 save's parts as the agents' memory tier holds them (checkpoint/sharded.py).
 
-``save DIR``: two Adam steps, then each rank's part (``sharded.encode(...).payload()``) into
-``DIR/part-R.bin``, and rank 0 the whole parameters and Adam moments into
-``DIR/whole.pt``. ``load DIR``: the model built from another seed at this world size,
-filled from those parts by ``sharded.restore_from_parts``; each rank writes
+``save DIR``: two Adam steps, then each rank's part (``sharded.encode(...).payloads()``)
+into ``DIR/part-R.bin`` (rank 0 also the common state, part W), and rank 0 the whole
+parameters and Adam moments into ``DIR/whole.pt``. ``load DIR``: the model built from
+another seed at this world size, filled from those parts by
+``sharded.restore_from_parts``; each rank writes
 ``DIR/load-W-R.json``: how many parts it read, and whether every whole tensor is the
 saved one, bit for bit.
 """
@@ -77,7 +78,8 @@ def main(phase: str, folder: Path) -> None:
             optimizer.zero_grad()
             counter.step += 1
         shot = sharded.snapshot(objects, rank, world, SnapshotBuffers())
-        (folder / f"part-{rank}.bin").write_bytes(sharded.encode(shot).payload())
+        for part, data in sharded.encode(shot).payloads().items():
+            (folder / f"part-{part}.bin").write_bytes(data)
         saved = whole(model, optimizer)
         if rank == 0:
             torch.save(saved, folder / "whole.pt")
