@@ -374,10 +374,6 @@ def validate(config: JobConfig) -> JobConfig:
         raise ConfigError(f"--parallelism {t.parallelism} with an object store run directory "
                           f"({config.run_dir}) is not supported yet: sharded checkpoints "
                           "need a filesystem every node shares; use such a --run-dir")
-    if t.parallelism != "ddp" and c.every_seconds is not None:
-        raise ConfigError(f"--checkpoint-interval {c.every_seconds} is not supported with "
-                          f"--parallelism {t.parallelism} yet: every rank writes its shards "
-                          "and must agree on the step; use --checkpoint-every N")
     _check(c.every_steps is None or c.every_steps > 0, "--checkpoint-every", c.every_steps,
            "a positive number of steps, or 'off'")
     _check(c.every_seconds is None or c.every_seconds > 0, "--checkpoint-interval",

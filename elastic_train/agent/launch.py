@@ -225,8 +225,7 @@ def preflight(config: JobConfig, nproc_per_node: str = "1", nnodes: str = "1") -
     metrics ports in use, replica groups that do not divide a world size of the job."""
     import torch
 
-    from elastic_train.checkpoint.sharded import check_kind
-    from elastic_train.checkpoint.storage import check_compatible, tensor_shapes
+    from elastic_train.checkpoint.storage import check_compatible, check_kind, tensor_shapes
     from elastic_train.observe.metrics import check_single_process_mode
     from elastic_train.observe.metrics_server import check_ports_free
     from elastic_train.tasks.base import TaskContext

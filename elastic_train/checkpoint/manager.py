@@ -392,13 +392,21 @@ class CheckpointManager:
         return self.store.load(info, map_location=map_location)
 
     # ---- save ----------------------------------------------------------------------------
-    def due(self, step: int) -> bool:
-        """Whether the policy asks for a checkpoint after ``step`` (rank 0's view)."""
+    def due(self, step: int, interval_due: bool | None = None) -> bool:
+        """Whether the policy asks for a checkpoint after ``step``: every N steps, or
+        ``--checkpoint-interval`` seconds since the last one (``interval_due``: whether
+        every rank agreed it has passed, the step's vote; None: this rank's own clock,
+        enough where rank 0 alone saves)."""
         if step == self.last_saved_step:
             return False
         every = self.policy.every_steps
         if every is not None and step % every == 0:
             return True
+        return self.interval_passed() if interval_due is None else interval_due
+
+    def interval_passed(self) -> bool:
+        """``--checkpoint-interval`` seconds have passed since the last save or restore
+        (this rank's clock: rank 0's decides for a sharded save, through the vote)."""
         interval = self.policy.every_seconds
         return interval is not None and time.monotonic() - self._last_save_time >= interval
 

@@ -49,10 +49,13 @@ from torch.distributed.tensor import DTensor, Replicate
 from elastic_train.checkpoint.snapshot import SnapshotBuffers
 from elastic_train.checkpoint.storage import (
     MANIFEST,
+    SHARDED,
     CheckpointInfo,
     CheckpointStore,
     build_manifest,
+    check_kind,
     fsync_dir,
+    is_sharded_checkpoint,
     load_payload,
     model_digest,
     step_dirname,
@@ -62,13 +65,11 @@ from elastic_train.worker.torch_seams import dtensor_chunk
 
 __all__ = ["COMMON", "PART_MAGIC", "SHARDED", "EncodedShards", "Part", "SaveAbandoned",
            "ShardedSnapshot", "as_dtensor", "check_kind", "commit", "encode", "full_tensors",
-           "is_sharded", "load_state", "read_part", "restore_from_parts", "restore_into",
-           "sharded_like", "snapshot", "split_state", "staging_dir", "state_of",
-           "write_rank"]
+           "is_sharded", "is_sharded_checkpoint", "load_state", "read_part",
+           "restore_from_parts", "restore_into", "sharded_like", "snapshot", "split_state",
+           "staging_dir", "state_of", "write_rank"]
 
 COMMON = "common.pt"
-SHARDED = "sharded"
-"""The manifest's key of a sharded checkpoint's index."""
 MARK = "__elastic_train_sharded__"
 """Where a sharded tensor was, in ``common.pt``'s tree: ``{MARK: path}``."""
 REPLICA = "elastic_train_replica"
@@ -91,23 +92,6 @@ def sidecar_file(rank: int) -> str:
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters are sharded (FSDP2, HSDP: DTensors)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def is_sharded_checkpoint(manifest: Mapping[str, Any] | None) -> bool:
-    return manifest is not None and SHARDED in manifest
-
-
-def check_kind(path: object, manifest: Mapping[str, Any] | None, job_sharded: bool) -> None:
-    """Refuse a checkpoint written sharded by an unsharded job, or the other way round:
-    resuming it needs the ``--parallelism`` that wrote it (or an export of its weights)."""
-    written_sharded = is_sharded_checkpoint(manifest)
-    if written_sharded == job_sharded:
-        return
-    kinds = ("sharded (--parallelism fsdp or hsdp)", "unsharded (--parallelism ddp)")
-    raise CheckpointMismatchError(
-        f"checkpoint {path} is {kinds[not written_sharded]} and this job is "
-        f"{kinds[written_sharded]}: resume it with the --parallelism that wrote it, "
-        "or start a new --run-dir from its weights (elastic-train checkpoints export)")
 
 
 def staging_dir(root: Path, step: int, epoch: int | None, generation: int = 0) -> Path:

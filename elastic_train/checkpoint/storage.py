@@ -45,6 +45,8 @@ FORMAT = "elastic_train.checkpoint"
 FORMAT_VERSION = 1
 PAYLOAD = "state.pt"
 MANIFEST = "manifest.json"
+SHARDED = "sharded"
+"""The manifest's key of a sharded checkpoint's index (checkpoint/sharded.py)."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER_PREFIXES = (".tmp-", ".trash-")
 _HASH_CHUNK = 8 << 20
@@ -437,6 +439,24 @@ def _refused_global(message: str) -> str | None:
         return match.group(1)
     match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", message)
     return match.group(1) if match else None
+
+
+def is_sharded_checkpoint(manifest: Mapping[str, Any] | None) -> bool:
+    """Whether ``manifest`` is a sharded checkpoint's (checkpoint/sharded.py)."""
+    return manifest is not None and SHARDED in manifest
+
+
+def check_kind(path: object, manifest: Mapping[str, Any] | None, job_sharded: bool) -> None:
+    """Refuse a checkpoint written sharded by an unsharded job, or the other way round:
+    resuming it needs the ``--parallelism`` that wrote it (or an export of its weights)."""
+    written_sharded = is_sharded_checkpoint(manifest)
+    if written_sharded == job_sharded:
+        return
+    kinds = ("sharded (--parallelism fsdp or hsdp)", "unsharded (--parallelism ddp)")
+    raise CheckpointMismatchError(
+        f"checkpoint {path} is {kinds[not written_sharded]} and this job is "
+        f"{kinds[written_sharded]}: resume it with the --parallelism that wrote it, "
+        "or start a new --run-dir from its weights (elastic-train checkpoints export)")
 
 
 def check_compatible(info: CheckpointInfo, expected_shapes: Mapping[str, list[Any]]) -> None:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +78,9 @@ class Vote:
     reform: bool = False
     """A node is ready to join (live recovery): every rank re-forms the world after this
     step, which is committed."""
+    save_due: bool | None = field(default=None, compare=False)
+    """Rank 0's clock says ``--checkpoint-interval`` has passed: every rank saves this step
+    (a sharded save needs all of them at the same step). None: not voted on."""
 
     @property
     def ends_loop(self) -> bool:
@@ -88,9 +91,10 @@ GO_ON = Vote(loss_sum=0.0, stop=False, save_failed=False)
 """The vote of a loop that ran out of steps (or ran none)."""
 
 # The vote's one all-reduce, slot by slot: the loss sum, how many ranks were signalled, the
-# save-failure stop, how many ranks see a node ready to join, then one slot per node (its
-# ranks that were signalled).
-_TALLY_LOSS, _TALLY_STOPS, _TALLY_SAVE_FAILED, _TALLY_REFORMS, _TALLY_NODES = range(5)
+# save-failure stop, how many ranks see a node ready to join, whether rank 0's checkpoint
+# interval has passed, then one slot per node (its ranks that were signalled).
+(_TALLY_LOSS, _TALLY_STOPS, _TALLY_SAVE_FAILED, _TALLY_REFORMS, _TALLY_SAVE_DUE,
+ _TALLY_NODES) = range(6)
 
 
 @dataclass(frozen=True)
@@ -463,7 +467,8 @@ class WorkerRuntime:
     def votes_needed(self) -> bool:
         """Whether anything but the loss can end the loop (else a loop without a loss to
         reduce may skip the vote)."""
-        return self.preemption is not None or self.save_failure.enabled
+        return self.preemption is not None or self.save_failure.enabled \
+            or self.checkpoints.policy.every_seconds is not None
 
     def vote(self, loss_sum: torch.Tensor | float | None = None) -> Vote:
         """Every rank, after each optimizer step: what all ranks agree on (one all-reduce).
@@ -483,7 +488,9 @@ class WorkerRuntime:
             alone = save_failed and self.group.world_size == 1
             vote = Vote(loss_sum=0.0, stop=stop, save_failed=alone,
                         stopped_nodes=(self.env.group_rank,) if stop else (),
-                        reform=reform and self.group.world_size == 1)
+                        reform=reform and self.group.world_size == 1,
+                        save_due=self.checkpoints.interval_passed()
+                        if self.group.world_size == 1 else None)
         else:
             tally = torch.zeros(_TALLY_NODES + self.env.group_world_size, dtype=torch.float64,
                                 device=self.group.device)
@@ -495,24 +502,29 @@ class WorkerRuntime:
                 tally[_TALLY_SAVE_FAILED] = 1.0
             if reform:
                 tally[_TALLY_REFORMS] = 1.0
+            if self.group.rank == 0 and self.checkpoints.interval_passed():
+                tally[_TALLY_SAVE_DUE] = 1.0
             summed = distributed.sum_over_ranks(self.group, tally)
             vote = Vote(loss_sum=summed[_TALLY_LOSS], stop=summed[_TALLY_STOPS] > 0,
                         save_failed=summed[_TALLY_SAVE_FAILED] > 0,
                         stopped_nodes=tuple(node for node, v in
                                             enumerate(summed[_TALLY_NODES:]) if v > 0),
-                        reform=summed[_TALLY_REFORMS] > 0)
+                        reform=summed[_TALLY_REFORMS] > 0,
+                        save_due=summed[_TALLY_SAVE_DUE] > 0)
         if vote.stop:
             self.stopped_nodes = vote.stopped_nodes
         return vote
 
     def save_if_due(self, step: int, objects: Mapping[str, Stateful],
-                    overlap_with: torch.optim.Optimizer | None = None) -> None:
-        """Between steps: a periodic checkpoint when the policy says one is due.
+                    overlap_with: torch.optim.Optimizer | None = None,
+                    vote: Vote | None = None) -> None:
+        """Between steps: a periodic checkpoint when the policy says one is due (the
+        checkpoint interval as the step's ``vote`` agreed it, where it was voted on).
 
         ``overlap_with``: the optimizer, when it alone changes the state (then the state's
         copy overlaps the next forward and backward).
         """
-        if self.checkpoints.due(step):
+        if self.checkpoints.due(step, vote.save_due if vote is not None else None):
             self.checkpoints.save(step, dict(objects), overlap_with=overlap_with)
 
     def end(self, step: int, objects: Mapping[str, Stateful], vote: Vote = GO_ON, *,

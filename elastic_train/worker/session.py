@@ -294,11 +294,6 @@ class ElasticSession:
                 raise ConfigError(f"wrap(parallelism={parallelism!r}) with an object store "
                                   f"run directory ({self.run_dir}) is not supported yet: "
                                   "sharded checkpoints need a filesystem every node shares")
-            if self.runtime.checkpoints.policy.every_seconds is not None:
-                raise ConfigError(f"checkpoint_interval is not supported with "
-                                  f"wrap(parallelism={parallelism!r}) yet: every rank writes "
-                                  "its shards and must agree on the step; use "
-                                  "checkpoint_every")
             self._sharded = True
             return sharding.shard_model(model.to(self.device), self.group, parallelism,
                                         replica_group_size or self.env.local_world_size)
@@ -520,7 +515,7 @@ class ElasticSession:
             self._watchdog.stop()  # the stop's checkpoint may take long: not a stalled step
             self.runtime.end(self.step_count, self._objects, vote)
             return True
-        self.runtime.save_if_due(self.step_count, self._objects)
+        self.runtime.save_if_due(self.step_count, self._objects, vote=vote)
         if vote.reform:  # a node is ready to join: re-form at this step boundary
             self._recover_in_place(time.time(), failed=False)
         torch.manual_seed(derive_seed(self.seed, "step", self.step_count, self.rank))

@@ -355,7 +355,7 @@ class Trainer:
                 # This loop changes parameters and optimizer state only in optimizer.step():
                 # their copy overlaps the next forward and backward.
                 self.runtime.save_if_due(self.state.step, self._stateful(),
-                                         overlap_with=self.optimizer)
+                                         overlap_with=self.optimizer, vote=vote)
                 if vote.reform:  # a node is ready to join: re-form at this step boundary
                     assert ddp is not None
                     ddp = self._recover_in_place(ddp, time.time(), at_boundary=True)

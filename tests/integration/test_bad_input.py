@@ -58,9 +58,6 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     (["--parallelism", "hsdp", "--replica-group-size", "2", "--nproc-per-node", "3"], 2,
      "--replica-group-size 2 does not divide the world size 3: hsdp shards within groups of "
      "that many ranks; choose a size that divides every world size the job may have"),
-    (["--parallelism", "fsdp", "--checkpoint-interval", "60"], 2, "--checkpoint-interval "
-     "60.0 is not supported with --parallelism fsdp yet: every rank writes its shards and "
-     "must agree on the step; use --checkpoint-every N"),
 ])
 def test_bad_job_option_fails_fast_with_one_line(args: list[str], code: int, expected: str,
                                                  tmp_path: Path,

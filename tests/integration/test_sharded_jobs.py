@@ -141,6 +141,28 @@ def test_fsdp_sigkills_recover_in_place_from_the_checkpoint_bitwise(
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_a_checkpoint_interval_is_rank_0s_clock_and_every_rank_saves_that_step(
+        fsdp_reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    """``--checkpoint-interval`` with fsdp: rank 0's clock decides, the step's vote carries
+    it, and every rank writes its shards at that step: each save commits (no rank waited
+    for a shard of a step another rank did not save), and the run ends with the weights of
+    the reference run (the same steps, checkpointed every 5)."""
+    reference, _ = fsdp_reference
+    run_dir = tmp_path / "run"
+    paced = ["--task", "tests.integration.paced_task:make_task", "--task-opt", "pace=0.05"]
+    job = harness.elastic_run(run_dir, [*FSDP, *paced, "--checkpoint-every", "off",
+                                        "--checkpoint-interval", "0.4", "--max-restarts", "0"])
+    assert job.wait(TIMEOUT) == 0, job.report()
+    saved = [e["step"] for e in job.events() if e["event"] == "checkpoint_saved"]
+    assert len(saved) >= 3 and saved[-1] == STEPS, saved  # 40 steps of at least 0.05 s
+    assert saved == sorted(set(saved)), saved  # each save once, in order
+    listed = harness.checkpoint_listing(run_dir)
+    assert sorted(r["step"] for r in listed) == sorted(saved)[-10:]  # kept: 10
+    assert all(r["valid"] for r in listed), listed
+    assert "wrote no shard" not in job.output()
+    assert digests(run_dir)[STEPS] == reference[STEPS]
+
+
 def test_hsdp_killed_workers_take_their_shards_from_their_replica_group_bitwise(
         tmp_path: Path) -> None:
     """4 workers, 2 replica groups of 2, under ``elastic-train run``: a worker SIGKILLed

@@ -1,11 +1,11 @@
-"""Which kind of checkpoint a job may resume (checkpoint/sharded.py ``check_kind``): the
+"""Which kind of checkpoint a job may resume (checkpoint/storage.py ``check_kind``): the
 launcher's pre-check and every worker's restore refuse the other kind with the same line."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic_train.checkpoint.sharded import SHARDED, check_kind
+from elastic_train.checkpoint.storage import SHARDED, check_kind
 from elastic_train.errors import CheckpointMismatchError
 
 UNSHARDED_MANIFEST = {"step": 10, "files": {}}
