@@ -9,7 +9,10 @@ layer, the optimizer built after it, then the same five calls as the DDP tutoria
 Each rank writes its own shards of every checkpoint (no rank gathers the model); a restart
 resumes from the newest sharded checkpoint at whatever world size the job has then,
 resharded, mid-epoch, each sample once; at the same world size the result is bitwise the
-one of a run that never failed. ``close(export=...)`` writes the whole model's weights,
+one of a run that never failed. Under ``elastic-train run`` a lost worker is recovered in
+place instead: the survivors keep their processes and this loop its ``model`` and
+``optimizer`` (sharded again on the new mesh), the lost shards from the replica group
+(hsdp) or the newest checkpoint (fsdp). ``close(export=...)`` writes the whole model's weights,
 gathered from the final checkpoint's shards.
 """
 

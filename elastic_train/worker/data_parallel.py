@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.worker import aborts, torch_seams
 
 __all__ = ["StepFailures", "abortable_allreduce_hook", "forgiving_allreduce_hook",
-           "mean_across_replicas", "renew_ddp"]
+           "forgiving_collective", "mean_across_replicas", "renew_ddp", "waited_collective"]
 
 
 def abortable_allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -32,27 +32,10 @@ def abortable_allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.fu
     return aborts.abortable(work.get_future()).then(lambda fut: fut.value()[0])
 
 
-def mean_across_replicas(replicas: dist.ProcessGroup, count: int
-                         ) -> Callable[[torch.Tensor], None]:
-    """HSDP's all-reduce hook (FSDP2's ``set_all_reduce_hook``, worker/sharding.py): a
-    replica group's reduced gradient shard averaged over the ``count`` groups, waited for
-    through an abortable future."""
-
-    def hook(gradient: torch.Tensor) -> None:
-        aborts.wait(dist.all_reduce(gradient, group=replicas, async_op=True), gradient)
-        gradient.div_(count)
-
-    return hook
-
-
-# DDP checks a hook's annotations against the types themselves, not their names.
-abortable_allreduce_hook.__annotations__ = {
-    "state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-
-
 class StepFailures:
-    """The first collective failure of the step in flight, as a forgiving gradient
-    all-reduce saw it (``forgiving_allreduce_hook``; ElasticSession's DDP)."""
+    """The first collective failure of the step in flight, as a forgiving collective saw
+    it (ElasticSession: DDP's ``forgiving_allreduce_hook``, a sharded model's
+    ``forgiving_collective``)."""
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
@@ -61,6 +44,54 @@ class StepFailures:
         """The failure of the step in flight (None: it had none), and forget it."""
         error, self.error = self.error, None
         return error
+
+
+def waited_collective(launch: Callable[[], dist.Work | None], *tensors: torch.Tensor
+                      ) -> None:
+    """Start a collective (``launch``; it was given ``tensors``) and wait for it through an
+    abortable future (aborts.wait): a lost peer ends the wait at once, with an error."""
+    aborts.wait(launch(), *tensors)
+
+
+def forgiving_collective(failures: StepFailures) -> Callable[..., None]:
+    """``waited_collective``, but a failure is recorded in ``failures`` instead of raised,
+    and once the step has one (or the world is being left) no collective starts: its
+    output tensor is zeroed instead. A hand-written loop's forward and ``backward()`` over
+    a sharded model then return; the session skips the optimizer step and re-forms the
+    world (worker/session.py), as ``forgiving_allreduce_hook`` does for DDP."""
+
+    def run(launch: Callable[[], dist.Work | None], *tensors: torch.Tensor) -> None:
+        if failures.error is not None or aborts.aborted() is not None:
+            if tensors:  # the step is void: what it computes is never applied
+                tensors[0].zero_()
+            failures.error = failures.error or aborts.CollectiveAborted(
+                aborts.aborted() or "aborted")
+            return
+        try:
+            aborts.wait(launch(), *tensors)
+        except Exception as exc:  # a lost peer, or the group already failed
+            failures.error = failures.error or exc.with_traceback(None)
+
+    return run
+
+
+def mean_across_replicas(replicas: dist.ProcessGroup, count: int,
+                         run: Callable[..., None] = waited_collective
+                         ) -> Callable[[torch.Tensor], None]:
+    """HSDP's all-reduce hook (FSDP2's ``set_all_reduce_hook``, worker/sharding.py): a
+    replica group's reduced gradient shard averaged over the ``count`` groups, run by
+    ``run`` (``waited_collective`` or a ``forgiving_collective``)."""
+
+    def hook(gradient: torch.Tensor) -> None:
+        run(lambda: dist.all_reduce(gradient, group=replicas, async_op=True), gradient)
+        gradient.div_(count)
+
+    return hook
+
+
+# DDP checks a hook's annotations against the types themselves, not their names.
+abortable_allreduce_hook.__annotations__ = {
+    "state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
 
 def forgiving_allreduce_hook(state: StepFailures, bucket: dist.GradBucket

@@ -35,7 +35,12 @@ LR schedulers does nothing in a step that failed (a registered GradScaler's ``up
 keeps its scale; ``step_failed`` tells the loop's own code), and ``step(loss)`` then re-forms the
 world: the survivors keep their processes and state, the lowest rank holding the newest
 step sends it to the others, the sampler and the session's DataLoader go back to the step
-in flight (redone, nothing else), and the DDP module moves to the new process group.
+in flight (redone, nothing else), and the DDP module moves to the new process group. A
+model wrapped with ``parallelism="fsdp"`` or ``"hsdp"`` (gloo) is the same, its FSDP2
+collectives forgiving in the same way, and on a re-formation it is sharded again on the new
+mesh in the loop's own model object, with the registered optimizers pointed at its new
+parameters (worker/loop_sharding.py); its values come from the replica group, else from
+the newest checkpoint (worker/sharded_recovery.py).
 """
 
 from __future__ import annotations
@@ -69,25 +74,25 @@ from elastic_train.config import (
 from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.observe.event_schema import Step
 from elastic_train.observe.events import EventLog
-from elastic_train.worker import data_parallel, distributed, sharding, torch_seams
+from elastic_train.worker import data_parallel, distributed, sharded_recovery, torch_seams
 from elastic_train.worker.batching import global_batch
 from elastic_train.worker.bootstrap import join_world, place_worker
 from elastic_train.worker.data_parallel import StepFailures
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv, read_worker_env
+from elastic_train.worker.loop_sharding import LoopShardedModel
 from elastic_train.worker.process_name import name_process
 from elastic_train.worker.runtime import WorkerRuntime
 from elastic_train.worker.sampler import ElasticBatchSampler
 from elastic_train.worker.seeding import derive_seed
+from elastic_train.worker.sharded_recovery import ShardedLive
 from elastic_train.worker.timeline import process_start_time
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
-LIVE_NOT_SHARDED = ("a hand-written loop with a sharded model (wrap(parallelism=\"fsdp\" or "
-                    "\"hsdp\")) is not recovered in place: a re-formed world needs the model "
-                    "and optimizer built again on its mesh, and the loop holds the ones it "
-                    "built; this job restarts from its newest sharded checkpoint on a failure "
-                    "(the built-in job, elastic-train run --parallelism, recovers in place; "
-                    "ElasticSession(..., recovery=\"restart\") silences this line)")
+LIVE_NOT_SHARDED = ("a hand-written loop's sharded model (wrap(parallelism=\"fsdp\" or "
+                    "\"hsdp\")) is not recovered in place {why}: this job restarts from its "
+                    "newest sharded checkpoint on a failure instead "
+                    "(ElasticSession(..., recovery=\"restart\") silences this line)")
 LIVE_NEEDS_WRAP = ("live recovery needs the model wrapped by session.wrap(model) (in place "
                    "of DDP(model)), before restore(): this job restarts from its newest "
                    "checkpoint on a failure instead (ElasticSession(..., recovery=\"restart\") "
@@ -192,7 +197,7 @@ class ElasticSession:
         self._batch_sizes: tuple[int | None, int | None] = (None, None)
         self._own_loader = False
         self._ddps: list[DistributedDataParallel] = []
-        self._sharded = False
+        self._sharded: LoopShardedModel | None = None
         self._failures = StepFailures()
         self._step_timeout = step_timeout
         self._watchdog: StepWatchdog | NoWatchdog = NoWatchdog()
@@ -280,23 +285,18 @@ class ElasticSession:
         per replica, 0: one group per node).
 
         Call it before ``restore()``, and build the optimizer after it (a sharded model's
-        parameters are new). Under live recovery, the session keeps this DDP module across
-        re-formations (it moves to each new process group) and makes its gradient
-        all-reduce one whose failure the session recovers from (module docstring); a
-        sharded model restarts from its newest (sharded) checkpoint instead. ``ddp_options``
-        go to DDP (``device_ids`` defaults to this worker's GPU).
+        parameters are new). Under live recovery, the session keeps this module across
+        re-formations and makes its collectives ones whose failure the session recovers
+        from (module docstring): DDP moves to each new process group; a sharded model is
+        sharded again on each new mesh, in the same object, and the optimizers registered
+        with ``restore()`` are pointed at its new parameters (worker/loop_sharding.py).
+        ``ddp_options`` go to DDP (``device_ids`` defaults to this worker's GPU).
         """
         if parallelism not in PARALLELISMS:
             raise ConfigError(f"wrap(parallelism={parallelism!r}) is invalid: use one of "
                               f"{', '.join(PARALLELISMS)}")
         if parallelism != "ddp":
-            if isinstance(self.run_dir, str):
-                raise ConfigError(f"wrap(parallelism={parallelism!r}) with an object store "
-                                  f"run directory ({self.run_dir}) is not supported yet: "
-                                  "sharded checkpoints need a filesystem every node shares")
-            self._sharded = True
-            return sharding.shard_model(model.to(self.device), self.group, parallelism,
-                                        replica_group_size or self.env.local_world_size)
+            return self._shard(model, parallelism, replica_group_size)
         in_sync = False
         if self.live is not None and self.live.arriving:
             # Started into a running world: built, it joins; restore() receives the state.
@@ -310,6 +310,55 @@ class ElasticSession:
         self._ddps.append(ddp)
         return ddp
 
+    def _shard(self, model: torch.nn.Module, parallelism: str,
+               replica_group_size: int) -> torch.nn.Module:
+        if isinstance(self.run_dir, str):
+            raise ConfigError(f"wrap(parallelism={parallelism!r}) with an object store "
+                              f"run directory ({self.run_dir}) is not supported yet: "
+                              "sharded checkpoints need a filesystem every node shares")
+        if self._sharded is not None:
+            raise ConfigError("wrap(parallelism=...) was called twice: a session shards one "
+                              "model (its checkpoints hold one sharded model)")
+        # On gloo the session's collectives record a failure instead of raising it; on
+        # NCCL FSDP2 runs its own, whose failure raises in the loop (restart path).
+        live = self.live is not None and self.group.backend == "gloo"
+        self._sharded = LoopShardedModel(
+            model, parallelism, replica_group_size or self.env.local_world_size,
+            data_parallel.forgiving_collective(self._failures) if live else None,
+            rebuildable=live)
+        if self.live is not None and self.live.arriving:
+            # Started into a running world: sharded on its mesh; restore() receives the state.
+            self.runtime.join_arriving()
+        return self._sharded.shard(self.group)
+
+    def _not_live(self, objects: Mapping[str, Stateful]) -> str | None:
+        """Why this loop cannot re-form the world in place (None: it can)."""
+        if self._sharded is None:
+            return None if self._ddps else LIVE_NEEDS_WRAP
+        why = None
+        if self.group.backend != "gloo":
+            why = (f"on {self.group.backend} yet (its collectives' failures reach the loop "
+                   "as errors; gloo's are recorded and the step redone)")
+        elif self._sharded.not_rebuildable:
+            why = f"here: {self._sharded.not_rebuildable}"
+        elif objects.get("model") is not self._sharded.model:
+            why = "here: restore(model=...) must be the model session.wrap(...) returned"
+        return None if why is None else LIVE_NOT_SHARDED.format(why=why)
+
+    def _rebuild_sharded(self) -> Mapping[str, Stateful]:
+        """The sharded model built again on the re-formed world's mesh, in place; the
+        registered optimizers pointed at its parameters (runtime.rejoin calls it)."""
+        assert self._sharded is not None
+        self._sharded.rebuild(self.group, [o for o in self._objects.values()
+                                           if isinstance(o, torch.optim.Optimizer)])
+        return self._objects
+
+    def _held(self) -> ShardedLive | None:
+        """A sharded model's side of a re-formation: what this rank holds, kept aside."""
+        if self._sharded is None:
+            return None
+        return ShardedLive(sharded_recovery.hold(self._objects), self._rebuild_sharded)
+
     def restore(self, **objects: Stateful) -> int:
         """Register what to checkpoint (``model=`` is required) and load the newest checkpoint.
 
@@ -321,17 +370,20 @@ class ElasticSession:
         if self._sampler is not None:
             self._objects["sampler"] = self._sampler
         live = self.live
-        if live is not None and (self._sharded or not self._ddps):
+        why = self._not_live(self._objects) if live is not None else None
+        if live is not None and why is not None:
             if self.rank == 0 and self.env.restart_count == 0:  # once per job
-                print(f"elastic_train: {LIVE_NOT_SHARDED if self._sharded else LIVE_NEEDS_WRAP}",
-                      file=sys.stderr, flush=True)
+                print(f"elastic_train: {why}", file=sys.stderr, flush=True)
             live.close()
             self.live = self.runtime.live = None
             live = None
         if live is not None and live.arriving:
             started = process_start_time()
-            self.runtime.recover(self._objects,
-                                 lambda: self.runtime.arrive(self._objects, started), None)
+            received = ShardedLive(None, self._rebuild_sharded) if self._sharded else None
+            self.runtime.recover(
+                self._objects,
+                lambda: self.runtime.arrive(self._objects, started, sharded=received), None,
+                received)
             self._follow_world()
             step = self.step_count
         else:
@@ -356,11 +408,12 @@ class ElasticSession:
 
     @property
     def step_failed(self) -> bool:
-        """True from a failed gradient all-reduce (a peer lost) to the next ``step()``: this
-        step is not applied and will be redone. State the loop changes after
-        ``optimizer.step()`` by itself (an EMA of the weights) should skip it then:
-        ``if not session.step_failed: ema.update(model)``. Always False without
-        live recovery (a failure there raises)."""
+        """True from a failed collective of the wrapped model (DDP's gradient all-reduce, a
+        sharded model's all-gathers and reduce-scatters: a peer lost) to the next
+        ``step()``: this step is not applied and will be redone. State the loop changes
+        after ``optimizer.step()`` by itself (an EMA of the weights) should skip it then:
+        ``if not session.step_failed: ema.update(model)``. Always False without live
+        recovery (a failure there raises)."""
         return self._failures.error is not None
 
     def _skip_failed_steps(self, obj: Any) -> None:
@@ -539,11 +592,12 @@ class ElasticSession:
             if isinstance(obj, torch.optim.Optimizer):
                 obj.zero_grad(set_to_none=True)
         step = self.step_count
+        held = self._held()  # a sharded model is built again on the new mesh
         self.runtime.recover(
             self._objects,
             lambda: self.runtime.rejoin(self._objects, step=step, attempted=attempted,
-                                        failed_at=failed_at, failed=failed),
-            step)
+                                        failed_at=failed_at, failed=failed, sharded=held),
+            step, held)
         self._follow_world()
         self._watch_steps()
 
@@ -577,7 +631,7 @@ class ElasticSession:
 
             def export() -> None:
                 assert target is not None and model is not None
-                if self._sharded:  # rank 0 gathers the weights from the final checkpoint
+                if self._sharded is not None:  # rank 0 gathers them from the checkpoint
                     export_checkpoint(self.runtime.checkpoints.store, target, self.step_count)
                 else:
                     write_weights(model.state_dict(), target)

@@ -17,7 +17,7 @@ Checkpoints of a sharded model are sharded too (checkpoint/sharded.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
@@ -35,7 +35,8 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, group: Group, parallelism: str,
-                replica_group_size: int = 0) -> nn.Module:
+                replica_group_size: int = 0, collective: Callable[..., None] | None = None
+                ) -> nn.Module:
     """Wrap ``model`` (on ``group.device``) with FSDP2 over this world, in place; the
     optimizer must be built after this (it takes the sharded parameters).
 
@@ -46,6 +47,9 @@ def shard_model(model: nn.Module, group: Group, parallelism: str,
     on the replica group's own mesh with the all-reduce across the groups done by us (its
     all-reduce hook). On NCCL, whose abort ends a collective, HSDP is FSDP2's own, on the
     2-D mesh. Both average the gradients over every data-parallel rank.
+
+    ``collective``: how those waited collectives run (data_parallel.waited_collective,
+    the default; a hand-written loop's session gives a forgiving one).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -63,16 +67,17 @@ def shard_model(model: nn.Module, group: Group, parallelism: str,
         fully_shard(unit, mesh=sharded_on)
     fully_shard(model, mesh=sharded_on)
     if waited:
-        from elastic_train.worker import aborts, data_parallel, torch_seams
+        from elastic_train.worker import data_parallel, torch_seams
 
+        run = collective or data_parallel.waited_collective
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                all_gather, reduce_scatter = torch_seams.fsdp_comms(aborts.wait)
+                all_gather, reduce_scatter = torch_seams.fsdp_comms(run)
                 module.set_custom_all_gather(all_gather)
                 module.set_custom_reduce_scatter(reduce_scatter)
                 if across is not None:
                     module.set_all_reduce_hook(
-                        data_parallel.mean_across_replicas(across, shape[0]))
+                        data_parallel.mean_across_replicas(across, shape[0], run))
     return model
 
 

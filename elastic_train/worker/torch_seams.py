@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.torch_private import Private
 
-__all__ = ["REQUIRED", "default_store", "destroy_process_group_preceded_by", "dtensor_chunk",
-           "fsdp_comms",
+__all__ = ["REQUIRED", "become", "default_store", "destroy_process_group_preceded_by",
+           "dtensor_chunk", "fsdp_comms",
            "group_shutdown_skipped", "groups_of_this_process", "keep_lr_scheduler_mark",
            "remove_gradient_hooks", "renew_reducer", "reset_group_count",
            "tensor_use_count"]
@@ -66,6 +66,9 @@ REQUIRED: tuple[Private, ...] = (
             "(fsdp_comms)", params=("output_tensor", "input_tensor", "group", "op",
                                     "async_op")),
     Private(_FSDP_API, "Comm.allocate", "(fsdp_comms)", params=("size", "dtype", "device")),
+    Private("torch.distributed.fsdp._fully_shard._fully_shard", "cls_to_fsdp_cls",
+            "one FSDP class per module class, so that a module sharded again on a new mesh "
+            "can take over the old one's object (become)"),
 )
 
 
@@ -78,11 +81,14 @@ def dtensor_chunk(tensor: Any) -> tuple[list[int], list[int]]:
     return list(chunks[0].offsets), list(chunks[0].sizes)
 
 
-def fsdp_comms(wait: Callable[..., None]) -> tuple[Any, Any]:
+def fsdp_comms(run: Callable[..., None]) -> tuple[Any, Any]:
     """An all-gather and a reduce-scatter for FSDP2 (``FSDPModule.set_custom_all_gather``
-    and ``set_custom_reduce_scatter`` take them) that run torch's own collectives and wait
-    for them through ``wait(work, *tensors)``: aborts.wait, which a lost peer ends at once
-    where gloo's own wait would sit out the timeout."""
+    and ``set_custom_reduce_scatter`` take them) that hand torch's own collectives to
+    ``run(launch, *tensors)``: ``launch()`` starts the collective (its Work), which was
+    given ``tensors``. ``run`` waits for it where a lost peer ends the wait at once
+    (data_parallel.waited_collective; gloo's own wait would sit out the timeout) or, in
+    a hand-written loop, records a failure instead of raising it
+    (data_parallel.forgiving_collective)."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
@@ -96,8 +102,8 @@ def fsdp_comms(wait: Callable[..., None]) -> tuple[Any, Any]:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, async_op: bool = False) -> None:
-            wait(dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                        async_op=True), output_tensor, input_tensor)
+            run(lambda: dist.all_gather_single(output_tensor, input_tensor, group=group,
+                                               async_op=True), output_tensor, input_tensor)
 
     class WaitedReduceScatter(ReduceScatter):
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device
@@ -106,10 +112,27 @@ def fsdp_comms(wait: Callable[..., None]) -> tuple[Any, Any]:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
-            wait(dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
-                                            async_op=True), output_tensor, input_tensor)
+            run(lambda: dist.reduce_scatter_single(output_tensor, input_tensor, op=op,
+                                                   group=group, async_op=True),
+                output_tensor, input_tensor)
 
     return WaitedAllGather(), WaitedReduceScatter()
+
+
+def become(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Make ``target`` (a loop's sharded model, which it holds) the module ``source`` (the
+    same model sharded again on a re-formed world's mesh): from now on both names are one
+    module, ``source``'s parameters, buffers, submodules and FSDP2 state.
+
+    FSDP2 keeps a module's state in the module's ``__dict__`` (its composable-API state
+    and registry, its hooks) and gives each module class one FSDP subclass
+    (``cls_to_fsdp_cls``), so ``target`` takes ``source``'s class and shares its
+    ``__dict__`` (shared, not copied: what FSDP2 sets on ``source`` later is seen through
+    ``target`` too). What ``target`` held before (the old mesh's state) is dropped.
+    tests/unit/test_torch_seams.py trains through it and compares with a fresh model."""
+    if type(target) is not type(source):
+        target.__class__ = type(source)
+    target.__dict__ = source.__dict__
 
 
 def renew_reducer(ddp: DistributedDataParallel, group: dist.ProcessGroup) -> None:

@@ -256,15 +256,15 @@ def test_a_corrupt_shard_is_skipped_and_the_export_loads_unsharded(
 SESSION_LOOP = Path(__file__).resolve().parents[2] / "examples" / "fsdp_session.py"
 
 
-def _session_loop(run_dir: Path, max_restarts: int, launcher: str = "torchrun"
-                  ) -> harness.Job:
+def _session_loop(run_dir: Path, max_restarts: int, launcher: str = "torchrun",
+                  nproc: int = 2, args: tuple[str, ...] = ()) -> harness.Job:
     if launcher == "torchrun":
         argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
                 "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.1"]
     else:
         argv = [sys.executable, "-m", "elastic_train", "run"]
-    return harness.start([*argv, "--nproc-per-node=2", f"--max-restarts={max_restarts}",
-                          str(SESSION_LOOP), str(run_dir)], run_dir)
+    return harness.start([*argv, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                          str(SESSION_LOOP), str(run_dir), *args], run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -275,32 +275,9 @@ def session_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return reference
 
 
-@pytest.mark.parametrize("launcher", [
-    "torchrun",
-    # the built-in job's test proves elastic-train run's restart of a sharded job already
-    pytest.param("elastic-train run", marks=pytest.mark.extended)])
-def test_a_hand_written_fsdp_loop_killed_ends_with_the_weights_of_one_never_killed(
-        session_reference: Path, tmp_path: Path, launcher: str) -> None:
-    """examples/fsdp_session.py (``session.wrap(model, parallelism="fsdp")``): a worker
-    SIGKILLed mid-epoch; the restart resumes from the sharded checkpoint (under
-    ``elastic-train run`` too, which says once that live recovery of shards is not built)
-    and the exported final weights equal the uninterrupted run's, bit for bit, and load
-    into the unsharded model."""
-    reference = session_reference
-    run_dir = tmp_path / "run"
-    job = _session_loop(run_dir, 2, launcher)
-    try:
-        job.wait_for_event(lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20,
-                           TIMEOUT)
-        job.kill_worker(1)
-        assert job.wait(TIMEOUT) == 0, job.report()
-    finally:
-        job.stop()
-    assert [step for step, _, _ in loaded(job)] in ([20], [30]), loaded(job)
-    if launcher != "torchrun":
-        assert job.output().count("a hand-written loop with a sharded model (wrap("
-                                  "parallelism=\"fsdp\" or \"hsdp\")) is not recovered in "
-                                  "place") == 1
+def assert_same_final_weights(run_dir: Path, reference: Path) -> None:
+    """The exported weights equal the reference's bit for bit and load, strictly, into the
+    unsharded model."""
     ours, theirs = load_file(run_dir / "final.safetensors"), \
         load_file(reference / "final.safetensors")
     assert ours.keys() == theirs.keys()
@@ -309,6 +286,92 @@ def test_a_hand_written_fsdp_loop_killed_ends_with_the_weights_of_one_never_kill
     from examples.fsdp_session import Model
 
     Model().load_state_dict(ours)  # strict: the whole, unsharded model
+
+
+def test_a_hand_written_fsdp_loop_killed_under_torchrun_resumes_with_unchanged_weights(
+        session_reference: Path, tmp_path: Path) -> None:
+    """examples/fsdp_session.py (``session.wrap(model, parallelism="fsdp")``) under plain
+    torchrun: a worker SIGKILLed mid-epoch; the restart resumes from the sharded checkpoint
+    and the exported final weights equal the uninterrupted run's, bit for bit, and load
+    into the unsharded model."""
+    run_dir = tmp_path / "run"
+    job = _session_loop(run_dir, 2)
+    try:
+        job.wait_for_event(lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20,
+                           TIMEOUT)
+        job.kill_worker(1)
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert [step for step, _, _ in loaded(job)] in ([20], [30]), loaded(job)
+    assert_same_final_weights(run_dir, session_reference)
+
+
+def _kill_and_watch(job: harness.Job, kills: list[tuple[int, int]]) -> list[bool]:
+    """SIGKILL rank R once checkpoint S is saved, for each (R, S) in turn, waiting for the
+    world to re-form each time; whether every other worker kept its process."""
+    kept = []
+    for count, (rank, step) in enumerate(kills):
+        job.wait_for_event(lambda e, step=step: e["event"] == "checkpoint_saved"
+                           and e["step"] == step, TIMEOUT)
+        pids = job.worker_pids()
+        job.kill_worker(rank)
+        job.wait_for_event(lambda e, count=count: e["event"] == "recovery"
+                           and len(recoveries(job)) > count, timeout=TIMEOUT)
+        kept.append({r: p for r, p in job.worker_pids().items() if r != rank}
+                    == {r: p for r, p in pids.items() if r != rank})
+    return kept
+
+
+def test_a_hand_written_fsdp_loop_recovers_in_place_with_the_weights_of_one_never_killed(
+        session_reference: Path, tmp_path: Path) -> None:
+    """The same loop under ``elastic-train run``: rank 1 SIGKILLed after checkpoint 10,
+    then rank 0 (the committer) after checkpoint 20. Each time the survivor keeps its
+    process (and the loop its model and optimizer objects: the model is sharded again in
+    place on the new mesh), the lost shards come from the newest checkpoint, which the
+    agents' memory tier holds, and the job ends with the uninterrupted run's weights, bit
+    for bit; the session says nothing about a restart."""
+    run_dir = tmp_path / "run"
+    job = _session_loop(run_dir, 2, "elastic-train run")
+    try:
+        kept = _kill_and_watch(job, [(1, 10), (0, 20)])
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert kept == [True, True], job.report()
+    found = recoveries(job)
+    assert [(r["kind"], r["state_from"], r["failed_ranks"]) for r in found] == [
+        ("live", "checkpoint", [1]), ("live", "checkpoint", [0])], found
+    assert [step for step, _, _ in loaded(job)] == [10, 20], loaded(job)
+    assert {e["source"] for e in job.events() if e["event"] == "checkpoint_loaded"} == \
+        {"memory"}
+    assert "not recovered in place" not in job.output()
+    assert_same_final_weights(run_dir, session_reference)
+
+
+@pytest.mark.extended  # the built-in job's hsdp test proves the peers' path by default
+def test_a_hand_written_hsdp_loop_takes_a_lost_ranks_shards_from_its_replica_group(
+        tmp_path: Path) -> None:
+    """The loop with ``parallelism="hsdp"``, 4 workers in 2 replica groups of 2, under
+    ``elastic-train run``: rank 3 SIGKILLed after checkpoint 10; its new worker receives
+    its shards from its peer in the other replica group (no checkpoint read) and the
+    job ends with the weights of a run never killed, bit for bit."""
+    reference = tmp_path / "reference"
+    job = _session_loop(reference, 0, nproc=4, args=("hsdp", "2"))
+    assert job.wait(TIMEOUT) == 0, job.report()
+    run_dir = tmp_path / "run"
+    job = _session_loop(run_dir, 2, "elastic-train run", nproc=4, args=("hsdp", "2"))
+    try:
+        kept = _kill_and_watch(job, [(3, 10)])
+        assert job.wait(TIMEOUT) == 0, job.report()
+    finally:
+        job.stop()
+    assert kept == [True], job.report()
+    found = recoveries(job)
+    assert [(r["kind"], r["state_from"], r["failed_ranks"]) for r in found] == [
+        ("live", "peers", [3])], found
+    assert found[0]["bytes"] > 0 and loaded(job) == []
+    assert_same_final_weights(run_dir, reference)
 
 
 def test_a_checkpoint_of_the_other_kind_is_refused_with_one_line_and_kept(
