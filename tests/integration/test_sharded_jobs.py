@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import sys
@@ -116,18 +117,24 @@ def test_fsdp_sigkills_recover_in_place_from_the_checkpoint_bitwise(
         ("live", "checkpoint", [rank]) for rank, _ in kills], found
     # The third kill comes as checkpoint 25 is written: rank 1 either offered its part to
     # the memory tier first (25 is whole there, and is the one loaded), or never did, and
-    # 20 is loaded (rank 0 gave the durable save of 25 up, unless rank 1 wrote it first).
+    # 20 is loaded (rank 0 gave the durable save of 25 up, unless rank 1 wrote it first:
+    # it waited for rank 1's shard, or the new world's restore swept its temp directory
+    # away while rank 0 still wrote its own shard, which is no disk failure).
     given_up = "WARNING elastic_train.checkpoint.manager: checkpoint 25 was given up: the " \
-        "world re-formed before ranks [1] wrote their shards"
+        "world re-formed "
+    assert "checkpoint 25 was not written" not in job.output(), job.report()
     resumed = [r["step"] for r in found]
     assert resumed in ([10, 20, 20, 30], [10, 20, 25, 30]), resumed
     assert resumed[2] == 25 or given_up in job.output(), job.report()
-    # 25 loaded from memory after the durable save was given up is written again, by the
-    # new world: the run directory ends with every checkpoint the policy asked for.
+    # A save loaded from memory whose durable write was given up (25 above; or any save
+    # whose temp directory the new world's restore swept away while rank 0 still wrote it,
+    # seen once for 10 on 2 busy cores) is written again by the new world: the run
+    # directory ends with every checkpoint the policy asked for (digests, below).
+    given_up_steps = {int(n) for n in re.findall(
+        r"checkpoint (\d+) was given up: the world re-formed", job.output())}
     rewritten = [e["step"] for e in job.events()
                  if e["event"] == "checkpoint_saved" and e["reason"] == "from_memory"]
-    assert rewritten == ([25] if resumed[2] == 25 and given_up in job.output() else []), \
-        rewritten
+    assert rewritten == sorted(given_up_steps & set(resumed)), (rewritten, given_up_steps)
     assert not [e for e in job.events() if e["event"] == "restart"]
     # Each rank offered its part to its agent's memory tier before writing it: every
     # recovery read the parts from there, never the run directory.
