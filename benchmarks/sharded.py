@@ -273,6 +273,52 @@ def restore(tmp: Path, p: Preset, reps: int) -> None:
           f"{_summary(resized.get('launch to first step', []))} | |")
 
 
+def _loop_killed(run_dir: Path, p: Preset, recovery: str) -> dict[str, float]:
+    """sharded_loop.py under ``elastic-train run``, worker 1 SIGKILLed right after a
+    checkpoint; the figures of its recovery."""
+    run_dir.mkdir(parents=True)
+    argv = [sys.executable, "-m", "elastic_train", "run", "--nproc-per-node=2",
+            "--max-restarts=2", str(LOOP), recovery, str(run_dir), p.name, "100000",
+            str(p.every), str(p.batch)]
+    job = harness.start(argv, run_dir)
+    try:
+        job.wait_for_event(lambda e: e["event"] == "checkpoint_saved", 600)
+        killed_at = time.time()
+        job.kill_worker(1)
+        done = job.wait_for_event(lambda e: e["event"] == "recovery" and e["time"] > killed_at,
+                                  600)
+        step = job.wait_for_event(lambda e: e["event"] == "step" and e["time"] > done["time"],
+                                  600)
+    finally:
+        job.stop()
+    assert done["kind"] == recovery, done
+    loads = [e for e in job.events() if e["event"] == "checkpoint_loaded"
+             and e["time"] > killed_at]
+    assert loads and all(e["source"] == "memory" for e in loads), loads
+    return {"kill to next step": step["time"] - killed_at,
+            **({"recovery seconds": done["seconds"]} if done["seconds"] is not None else {}),
+            "checkpoint_loaded.seconds": max(e["seconds"] for e in loads)}
+
+
+def loop_recovery(tmp: Path, p: Preset, reps: int) -> None:
+    modes = ("restart", "live")
+    found: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+    for r in range(reps):
+        for mode in modes[r % 2:] + modes[:r % 2]:
+            figures = _loop_killed(tmp / f"loop-killed-{mode}-{r}", p, mode)
+            for key, value in figures.items():
+                found[mode].setdefault(key, []).append(value)
+        print(f"  (loop recovery rep {r} done)", file=sys.stderr, flush=True)
+    print(f"\n## 5. A hand-written FSDP2 loop killed (ElasticSession, preset {p.name}, 2 "
+          f"workers; {reps} repetition(s)): worker 1 SIGKILLed right after a checkpoint")
+    print("| figure | recovery=\"restart\" | recovery=\"live\" | live / restart |\n"
+          "|---|---|---|---|")
+    for key in ("kill to next step", "recovery seconds", "checkpoint_loaded.seconds"):
+        values = [found[m].get(key, []) for m in modes]
+        print(f"| {key} | {_summary(values[0])} | {_summary(values[1])} | "
+              f"{_ratio(values[1], values[0])} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="medium", choices=sorted(PRESETS))
@@ -283,6 +329,7 @@ def main() -> int:
     parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument("--skip-restore", action="store_true")
     parser.add_argument("--skip-live", action="store_true")
+    parser.add_argument("--skip-loop-recovery", action="store_true")
     ns = parser.parse_args()
     p = dataclasses.replace(PRESETS[ns.preset], steps=ns.steps, every=ns.every)
     tmp = Path(tempfile.mkdtemp(prefix="et-sharded-"))
@@ -297,6 +344,8 @@ def main() -> int:
         restore(tmp, p, ns.reps)
     if not ns.skip_live:
         live(tmp, p, ns.reps)
+    if not ns.skip_loop_recovery:
+        loop_recovery(tmp, p, ns.reps)
     print(f"\n(the whole invocation took {time.monotonic() - began:.0f} s)")
     return 0
 

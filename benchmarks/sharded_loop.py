@@ -3,8 +3,11 @@ ElasticSession (``ours``: sharded checkpoints, background writes) or the way tor
 DCP's tutorial do it (``dcp``: ``dcp.async_save`` of ``get_state_dict`` every N steps, the
 previous save's future waited for before the next). Run by benchmarks/sharded.py under
 torchrun; every rank appends ``{"step", "time"}`` lines to ``RUN_DIR/steps-RANK.jsonl``.
+``live`` and ``restart`` are ``ours`` with that ``recovery`` of the session, for a run under
+``elastic-train run`` whose worker is killed (sharded.py's section 5); ``ours`` restarts.
 
     torchrun --nproc-per-node 2 benchmarks/sharded_loop.py ours RUN_DIR medium 24 4 8
+    elastic-train run --nproc-per-node 2 benchmarks/sharded_loop.py live RUN_DIR medium 99 4 8
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ def main(mode: str, run_dir: str, preset: str, steps: int, every: int, batch: in
     dataset = task.build_dataset()
     order = epoch_order(len(dataset), 0, 0)
     session = None
-    if mode == "ours":
+    if mode in ("ours", "live", "restart"):
         session = ElasticSession(run_dir, checkpoint_every=every, keep_checkpoints=2,
-                                 recovery="restart")
+                                 recovery="live" if mode == "live" else "restart")
         rank, world = session.rank, session.world_size
     else:
         dist.init_process_group("gloo")
@@ -58,7 +61,10 @@ def main(mode: str, run_dir: str, preset: str, steps: int, every: int, batch: in
         session.restore(model=model, optimizer=optimizer)
     out = open(Path(run_dir) / f"steps-{rank}.jsonl", "a", buffering=1)
     pending = None
-    for step in range(1, steps + 1):
+    # the session's own step loop: a resumed or recovered run goes on at the step to train
+    numbers = (n + 1 for n in session.steps(steps)) if session is not None \
+        else iter(range(1, steps + 1))
+    for step in numbers:
         start = ((step - 1) * batch) % (len(order) - batch)
         mine = order[start + rank * batch // world:start + (rank + 1) * batch // world]
         loss = task.loss(model, collate(task, [dataset[int(i)] for i in mine]))

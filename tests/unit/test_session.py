@@ -298,6 +298,43 @@ def test_wrap_gives_ddp_on_the_sessions_world_and_training_runs(tmp_path: Path) 
         session._leave()
 
 
+class _Layered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_sharded_wrap_is_the_model_sharded_in_place_once_per_session(
+        tmp_path: Path) -> None:
+    """``wrap(model, parallelism="fsdp")`` shards the loop's own object; a second sharded
+    model is refused; a loop whose restore() names another model is told, in one line,
+    why it cannot be recovered in place (under ``elastic-train run`` it then restarts)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    session = ElasticSession(tmp_path / "run", env=WorkerEnv())
+    try:
+        model = _Layered()
+        assert session.wrap(model, parallelism="fsdp") is model
+        assert isinstance(model, FSDPModule)
+        with pytest.raises(ConfigError, match=r"^wrap\(parallelism=\.\.\.\) was called twice: "
+                                              r"a session shards one model"):
+            session.wrap(_Layered(), parallelism="fsdp")
+        assert session._not_live({"model": model}) is None
+        assert session._not_live({"model": _Layered()}) == (
+            "a hand-written loop's sharded model (wrap(parallelism=\"fsdp\" or \"hsdp\")) is "
+            "not recovered in place here: restore(model=...) must be the model "
+            "session.wrap(...) returned: this job restarts from its newest sharded "
+            "checkpoint on a failure instead (ElasticSession(..., recovery=\"restart\") "
+            "silences this line)")
+    finally:
+        session._leave()
+
+
 def test_the_sampler_hands_out_the_step_to_redo_after_a_reshard() -> None:
     """A DataLoader without worker processes reads one batch at a time: after the world
     re-formed, the next batch is the step in flight again, cut for the new world."""
