@@ -457,17 +457,24 @@ class ElasticSession:
         """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.
 
         A resume right at the end of an epoch starts with the next one (not with an empty
-        epoch). Ends early after a stop (``step()`` returned True).
+        epoch). An epoch that a live recovery through a checkpoint took the sampler back
+        before comes again, whole. Ends early after a stop (``step()`` returned True).
         """
-        first = self._first_epoch()
-        if first >= count and self.step_count > 0:
-            self._say_finished(f"epoch {first} of {count}", "the epoch count")
-        for epoch in range(first, count):
+        epoch = self._first_epoch()
+        if epoch >= count and self.step_count > 0:
+            self._say_finished(f"epoch {epoch} of {count}", "the epoch count")
+        while epoch < count:
             if self.stopped_at is not None:
                 return
             if self._sampler is not None:
                 self._sampler.set_epoch(epoch)
             yield epoch
+            if self._sampler is not None and self._sampler.epoch != epoch:
+                # A live recovery through a checkpoint took the sampler back to an earlier
+                # epoch (the loader finished that one): go on from where it stands.
+                epoch = self._first_epoch()
+            else:
+                epoch += 1
 
     @overload
     def steps(self, total: int) -> Iterator[int]: ...
@@ -509,7 +516,9 @@ class ElasticSession:
                 before = self._calls
                 yield self.step_count, batch
                 self._check_stepped(before)
-            epoch += 1
+            # The epoch the loader just finished, the next after it: not always ``epoch +
+            # 1``, as a live recovery through a checkpoint may take the sampler back.
+            epoch = self._first_epoch()
 
     def _check_stepped(self, calls_before: int) -> None:
         if self._calls == calls_before and self.stopped_at is None:

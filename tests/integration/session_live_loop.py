@@ -1,7 +1,7 @@
 """A hand-written loop on ElasticSession for the live-recovery tests (test_session_live.py).
 
     elastic-train run [options] session_live_loop.py RUN_DIR STEPS PACE_SECONDS [plain-ddp]
-        [step-timeout=SECONDS] [crash-at=STEP:RANK]
+        [fsdp] [step-timeout=SECONDS] [crash-at=STEP:RANK]
 
 A step loop over the session's DataLoader (a global batch of 16, the same at any world
 size) with an LR scheduler and an EMA of the weights, updated after ``optimizer.step()``
@@ -11,6 +11,8 @@ before its gradients are reduced, with the generation of the world it trains in:
 redone in a newer generation is recorded again, and the newest generation's records are
 the ones that made the weights. ``plain-ddp`` wraps the model in DDP itself instead of
 ``session.wrap``: live recovery is then impossible, and the job takes the restart path.
+``fsdp`` wraps it with ``session.wrap(model, parallelism="fsdp")`` instead (no EMA then: an
+EMA of sharded weights is one more object the loop would have to move to each new mesh).
 ``step-timeout=SECONDS`` gives the session a step watchdog. ``crash-at=STEP:RANK``: that
 rank SIGKILLs itself in that step after its forward, before its backward (once: a marker
 file in RUN_DIR says it did), so that the others fail inside the gradient all-reduce.
@@ -32,6 +34,7 @@ from elastic_train import ElasticSession
 
 RUN_DIR, STEPS, PACE = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 PLAIN_DDP = "plain-ddp" in sys.argv[4:]
+SHARDED = "fsdp" in sys.argv[4:]
 CRASH_AT = next((tuple(map(int, a.split("=", 1)[1].split(":"))) for a in sys.argv[4:]
                  if a.startswith("crash-at=")), None)
 STEP_TIMEOUT = next((float(a.split("=", 1)[1]) for a in sys.argv[4:]
@@ -84,12 +87,16 @@ def main() -> None:
                              step_timeout=STEP_TIMEOUT)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
-    ddp = DistributedDataParallel(model) if PLAIN_DDP else session.wrap(model)
+    if SHARDED:
+        ddp = session.wrap(model, parallelism="fsdp")
+    else:
+        ddp = DistributedDataParallel(model) if PLAIN_DDP else session.wrap(model)
     loader = session.dataloader(Indexed(), global_batch_size=GLOBAL_BATCH)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s / 50))
-    ema = EMA(model)
-    session.restore(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema)
+    ema = None if SHARDED else EMA(model)
+    session.restore(model=model, optimizer=optimizer, scheduler=scheduler,
+                    **({} if ema is None else {"ema": ema}))
     records = open(os.path.join(RUN_DIR, f"samples-{os.getpid()}.jsonl"), "a", buffering=1)
     for step, (x, y, index) in session.steps(STEPS, loader):
         live = session.runtime.live
@@ -107,13 +114,13 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         scheduler.step()
-        if not session.step_failed:  # a failed step is redone: update once, when it counts
-            ema.update(model)
+        if ema is not None and not session.step_failed:  # a failed step is redone:
+            ema.update(model)                              # update once, when it counts
         time.sleep(PACE)
         if session.step(loss):
             break
     records.close()
-    if session.rank == 0 and session.stopped_at is None:
+    if ema is not None and session.rank == 0 and session.stopped_at is None:
         with open(os.path.join(RUN_DIR, "ema.sha256"), "w") as f:
             f.write(ema.digest())
     session.close()

@@ -265,3 +265,60 @@ def test_a_hand_written_loop_grows_and_shrinks_in_place_across_nodes(
                if e["event"] == "resize"]
     assert resizes == [(1, 2), (2, 1)], resizes
     assert_each_sample_once_in_order(run_dir, steps)
+
+
+def test_a_hand_written_fsdp_loop_grows_from_the_peers_and_shrinks_through_the_checkpoint(
+        tmp_path: Path) -> None:
+    """The loop with ``session.wrap(model, parallelism="fsdp")`` on two c10d agents: node-a
+    trains alone, node-b joins at a step boundary (node-a's model is sharded again on the
+    mesh of 2 in the loop's own object and sends node-b its half: nothing redone, no
+    checkpoint read), then node-b is killed (node-b's shards are gone: node-a loads the
+    newest checkpoint onto a mesh of 1, node-b's part from the copy node-a's agent holds).
+    Node-a's worker keeps its process throughout and each sample is used once per epoch."""
+    run_dir, steps = tmp_path / "run", 300
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def node(name: str) -> harness.Job:
+        conf = f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
+        return script_run(run_dir, steps, 0.03, [
+            "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={tmp_path.name}",
+            f"--rdzv-conf={conf}"], name, extra=("fsdp",))
+
+    a = node("node-a")
+    nodes = [a]
+    try:
+        a.wait_for_event(_step(5), TIMEOUT)
+        pids = [a.worker_pids()[0]]
+        nodes.append(b := node("node-b"))
+        grown = a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 2,
+                                 TIMEOUT)
+        a.wait_for_event(lambda e: e["event"] == "checkpoint_saved"
+                         and e["step"] > grown["step"], TIMEOUT)
+        pids.append(harness.workers_of(a.proc.pid)[0])
+        b.kill_node()
+        a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 1
+                         and e["step"] > grown["step"], TIMEOUT)
+        pids.append(harness.workers_of(a.proc.pid)[0])
+        assert a.wait(TIMEOUT) == 0, a.report()
+    finally:
+        for n in nodes:
+            n.stop()
+    assert pids[0] == pids[1] == pids[2], a.report()
+    events = a.events()
+    assert [e["event"] for e in events].count("start") == 1, a.report()
+    recoveries = {e["cause"]: e for e in events if e["event"] == "recovery"}
+    joined, lost = recoveries["node joined"], recoveries["node lost"]
+    assert (joined["kind"], joined["state_from"], joined["steps_redone"],
+            joined["world_size"]) == ("live", "peers", 0, 2), joined
+    assert joined["bytes"] > 0
+    assert (lost["kind"], lost["state_from"], lost["world_size"]) == \
+        ("live", "checkpoint", 1), lost
+    loads = [(e["step"], e["saved_world_size"], e["world_size"], e["source"])
+             for e in events if e["event"] == "checkpoint_loaded"]
+    assert loads == [(lost["step"], 2, 1, "memory")], loads
+    resizes = [(e["old_world_size"], e["new_world_size"]) for e in events
+               if e["event"] == "resize"]
+    assert resizes == [(1, 2), (2, 1)], resizes
+    assert "not recovered in place" not in a.output()
+    assert_each_sample_once_in_order(run_dir, steps)

@@ -179,6 +179,50 @@ def test_a_step_loop_over_a_dataloader_crosses_epochs_and_resumes_mid_epoch(
         assert len(used) == len(set(used)) == 8
 
 
+@pytest.mark.parametrize("loop_kind", ["steps", "epochs"])
+def test_a_recovery_that_takes_the_sampler_back_an_epoch_trains_that_epoch_again(
+        tmp_path: Path, loop_kind: str) -> None:
+    """A live recovery through a checkpoint (a sharded loop that lost a rank's shards)
+    loads the sampler's state of that checkpoint, which may be in the epoch before the one
+    in flight: the loop goes on from there, the next epoch whole, none skipped. Here 8
+    samples, 4 a step: the state at the end of epoch 0 is loaded in epoch 1's first step."""
+    dataset = TensorDataset(torch.arange(8.0).unsqueeze(1))
+    session = ElasticSession(tmp_path / "run", checkpoint_every=None, env=WorkerEnv())
+    seen: list[tuple[int, list[float]]] = []
+    try:
+        loader = session.dataloader(dataset, global_batch_size=4)
+        session.restore(model=nn.Linear(1, 1))
+        sampler = session._sampler
+        assert sampler is not None
+        saved: dict | None = None
+
+        def body(epoch: int, x: torch.Tensor) -> None:
+            nonlocal saved
+            seen.append((epoch, sorted(x.flatten().tolist())))
+            session.step()
+            if session.step_count == 2:                    # the end of epoch 0
+                saved = sampler.state_dict()
+            elif session.step_count == 3 and len(seen) == 3:   # in epoch 1, once
+                assert saved is not None
+                sampler.load_state_dict(saved)             # what the restore does
+                session._counter.step = 2
+                sampler.reshard(0, 1, 4)
+
+        if loop_kind == "steps":
+            for _, (x,) in session.steps(6, loader):
+                body(sampler.epoch, x)
+        else:
+            for epoch in session.epochs(3):
+                for (x,) in loader:
+                    body(epoch, x)
+    finally:
+        session._leave()
+    epochs = [e for e, _ in seen]
+    assert epochs == [0, 0, 1, 1, 1, 2, 2], epochs        # epoch 1 began again, whole
+    assert seen[3][1] == seen[2][1]                         # its first batch, redone
+    assert sorted(i for _, b in seen[3:5] for i in b) == [float(i) for i in range(8)]
+
+
 def test_steps_refuses_a_loader_of_its_own(tmp_path: Path) -> None:
     session = ElasticSession(tmp_path / "run", env=WorkerEnv())
     try:
