@@ -80,8 +80,13 @@ class Suspicion:
         self._heard: dict[str, float] = {}
 
     def watch(self, peers: Sequence[str], now: float) -> None:
-        """Watch exactly ``peers`` from now on (one newly watched counts as heard now)."""
-        self._heard = {p: self._heard.get(p, now) for p in peers}
+        """Watch exactly ``peers`` (the members of a generation just adopted) from now on.
+        One newly watched counts as heard now, and so does one suspected now: it is a
+        member of the generation it took part in forming (a cut-off node back from a
+        partition would else suspect, at once, the peers it could not hear while cut off).
+        The others keep the silence they had."""
+        self._heard = {p: now if p not in self._heard or now - self._heard[p] > self.timeout
+                       else self._heard[p] for p in peers}
 
     def heard(self, peer: str, now: float) -> None:
         if peer in self._heard:

@@ -47,6 +47,20 @@ def test_a_peer_is_suspected_once_unheard_for_the_timeout_and_cleared_when_heard
     assert s.silent_for("x", 104.0) == 0.0
 
 
+def test_a_peer_suspected_when_a_new_generation_is_adopted_counts_as_heard_then():
+    """A node back from a partition adopts a generation with the peer it could not hear:
+    that peer formed the generation with it, and is not suspected at once; a peer with
+    some silence short of the timeout keeps it."""
+    s = Suspicion(timeout=1.5)
+    s.watch(["a", "b"], now=100.0)
+    s.heard("b", 109.0)
+    assert s.suspects(110.0) == {"a"}                 # cut off from a since 100
+    s.watch(["a", "b"], now=110.0)                    # the generation both are in again
+    assert s.suspects(110.1) == set()
+    assert s.silent_for("a", 111.0) == 1.0 and s.silent_for("b", 111.0) == 2.0
+    assert s.suspects(111.2) == {"b"}                 # b's silence was kept
+
+
 def _wait_for(predicate, timeout: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout:
@@ -127,3 +141,22 @@ def test_the_launcher_takes_a_peer_timeout_of_zero_or_of_two_pings_at_least():
     for bad in ("0.1", "-1", "soon"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--peer-timeout", bad])
+
+
+def test_a_report_of_a_peer_no_longer_suspected_is_dropped() -> None:
+    """The detector calls back outside its lock: a report that a plan adopted since made
+    stale (the peer is not watched, or is heard again) is not kept for the new plan."""
+    from elastic_train.agent.silent_peers import SilentPeers
+
+    woken: list[int] = []
+    peers = SilentPeers("127.0.0.1", "127.0.0.1", timeout=0.3, wake=lambda: woken.append(1),
+                        check_store=None)
+    try:
+        peers._on_silent({"gone-agent"})                # not watched (any more)
+        assert peers._silenced == set() and woken == []
+        # a peer that never answers (nothing listens there): the detector's own report
+        peers._heartbeats.watch("me", [Peer("me", peers.beat), Peer("mute", "127.0.0.1:9")])
+        _wait_for(lambda: peers._silenced == {"mute"}, timeout=5)
+        assert woken
+    finally:
+        peers.close()
