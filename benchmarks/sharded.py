@@ -180,12 +180,9 @@ def _resized(run_dir: Path, p: Preset) -> dict[str, float]:
     return {"loaded": loaded["seconds"], "launch to first step": step["time"] - began}
 
 
-def _killed_live(run_dir: Path, p: Preset, parallelism: str, recovery: str,
-                 extra: tuple[str, ...] = ()) -> dict[str, float]:
-    """Worker 1 SIGKILLed right after a checkpoint; the figures of its recovery."""
-    endless = dataclasses.replace(p, steps=100000)
-    job = harness.elastic_run(run_dir, [*_job(endless, p.every, parallelism), *extra,
-                                        "--recovery", recovery, "--max-restarts", "2"])
+def _kill_after_a_checkpoint(job: harness.Job) -> tuple[float, dict, dict]:
+    """SIGKILL worker 1 of ``job`` right after its first checkpoint; stop the job once a
+    step follows the recovery: (the kill's time, the recovery event, that step's event)."""
     try:
         job.wait_for_event(lambda e: e["event"] == "checkpoint_saved", 600)
         killed_at = time.time()
@@ -196,6 +193,16 @@ def _killed_live(run_dir: Path, p: Preset, parallelism: str, recovery: str,
                                   600)
     finally:
         job.stop()
+    return killed_at, done, step
+
+
+def _killed_live(run_dir: Path, p: Preset, parallelism: str, recovery: str,
+                 extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """Worker 1 SIGKILLed right after a checkpoint; the figures of its recovery."""
+    endless = dataclasses.replace(p, steps=100000)
+    job = harness.elastic_run(run_dir, [*_job(endless, p.every, parallelism), *extra,
+                                        "--recovery", recovery, "--max-restarts", "2"])
+    killed_at, done, step = _kill_after_a_checkpoint(job)
     if recovery == "live":
         assert done["kind"] == "live", done
     loads = [e for e in job.events() if e["event"] == "checkpoint_loaded"
@@ -281,16 +288,7 @@ def _loop_killed(run_dir: Path, p: Preset, recovery: str) -> dict[str, float]:
             "--max-restarts=2", str(LOOP), recovery, str(run_dir), p.name, "100000",
             str(p.every), str(p.batch)]
     job = harness.start(argv, run_dir)
-    try:
-        job.wait_for_event(lambda e: e["event"] == "checkpoint_saved", 600)
-        killed_at = time.time()
-        job.kill_worker(1)
-        done = job.wait_for_event(lambda e: e["event"] == "recovery" and e["time"] > killed_at,
-                                  600)
-        step = job.wait_for_event(lambda e: e["event"] == "step" and e["time"] > done["time"],
-                                  600)
-    finally:
-        job.stop()
+    killed_at, done, step = _kill_after_a_checkpoint(job)
     assert done["kind"] == recovery, done
     loads = [e for e in job.events() if e["event"] == "checkpoint_loaded"
              and e["time"] > killed_at]

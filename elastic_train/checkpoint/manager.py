@@ -291,8 +291,11 @@ class CheckpointManager:
         as the newest durable checkpoint; if any rank cannot read it, every rank restores
         from the run directory instead."""
         # A save of this rank's still in flight (the world re-formed in place while it was
-        # written) ends first, committed or given up: rank 0 then sees the run directory as
-        # it will stay, and sweeps no temp directory that its own save still writes.
+        # written) ends first, committed or given up; the collective below then waits for
+        # every rank's: rank 0 sees the run directory as it will stay, and its sweep of
+        # leftovers removes no temp directory a save still writes (a write it cut short
+        # reported "not written: free space or fix permissions", and counted for
+        # --on-save-failure stop).
         self._finish_pending(report_wait=False)
         # Every rank must reach the memory tier (a plain torchrun node joined to ours has
         # no agent holder): else every rank restores from the run directory.
@@ -531,10 +534,6 @@ class CheckpointManager:
                 try:
                     sharded.write_rank(staging, shot, encoded)
                 except OSError as exc:  # rank 0 waits for this shard in vain and reports it
-                    if abandoned.is_set() and not wait:  # swept by the new world's restore
-                        log.info("rank %d's shard of checkpoint %d was given up: the world "
-                                 "re-formed while it was written", self.group.rank, step)
-                        return
                     log.warning("rank %d could not write its shard of checkpoint %d: %s",
                                 self.group.rank, step, exc)
                     if wait:  # the final one fails the run on this rank too
@@ -546,21 +545,12 @@ class CheckpointManager:
             began, cpu_began = time.monotonic(), time.thread_time()
             try:
                 with self._committing(step):
-                    try:
-                        sharded.write_rank(staging, shot, encoded)
-                        info = sharded.commit(self.store, step, staging, shot.world_size,
-                                              {**self.meta, "writer_epoch": self.epoch},
-                                              timeout=self.policy.shard_timeout_seconds,
-                                              before_commit=lambda: self._check_fence(step),
-                                              abandoned=abandoned)
-                    except OSError as exc:
-                        if not abandoned.is_set():
-                            raise
-                        # The new world's restore swept this save's temp directory away
-                        # while it was written: that save is given up, the disk is fine.
-                        raise sharded.SaveAbandoned(
-                            "the world re-formed while it was written "
-                            f"({exc.strerror or exc})") from exc
+                    sharded.write_rank(staging, shot, encoded)
+                    info = sharded.commit(self.store, step, staging, shot.world_size,
+                                          {**self.meta, "writer_epoch": self.epoch},
+                                          timeout=self.policy.shard_timeout_seconds,
+                                          before_commit=lambda: self._check_fence(step),
+                                          abandoned=abandoned)
             except sharded.SaveAbandoned as exc:  # not a failure: that world is gone
                 log.warning("checkpoint %d was given up: %s; the newest committed one "
                             "stays", step, exc)

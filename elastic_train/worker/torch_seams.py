@@ -129,7 +129,7 @@ def become(target: torch.nn.Module, source: torch.nn.Module) -> None:
     (``cls_to_fsdp_cls``), so ``target`` takes ``source``'s class and shares its
     ``__dict__`` (shared, not copied: what FSDP2 sets on ``source`` later is seen through
     ``target`` too). What ``target`` held before (the old mesh's state) is dropped.
-    tests/unit/test_torch_seams.py trains through it and compares with a fresh model."""
+    tests/unit/test_loop_sharding.py trains through it and compares with a fresh model."""
     if type(target) is not type(source):
         target.__class__ = type(source)
     target.__dict__ = source.__dict__

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,45 @@ def test_a_loop_on_plain_ddp_says_why_and_takes_the_restart_path(
     assert ema_digest(run_dir) == reference_ema  # from the checkpoint
 
 
+def _agent_node(run_dir: Path, steps: int, backend: str, endpoint: str, rdzv_id: str,
+                name: str, extra: tuple[str, ...] = ()) -> harness.Job:
+    """One agent of a job of up to two nodes, one worker each (node-a hosts c10d's store)."""
+    conf = FAST_V3 if backend == "etcd-v3" else \
+        f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
+    return script_run(run_dir, steps, 0.03, [
+        "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
+        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}", f"--rdzv-conf={conf}"], name, extra=extra)
+
+
+def _grow_then_lose_node_b(start: Callable[[str], harness.Job],
+                           settled: Callable[[harness.Job, dict[str, Any]], object]
+                           ) -> tuple[harness.Job, list[int], list[tuple[str, int]]]:
+    """node-a trains alone, node-b joins, and once ``settled(a, first step of 2)`` returns,
+    node-b is killed; node-a trains on alone to the end (exit 0). Node-a, its worker's PID
+    at each of the three sizes, and what node-a listened on (alone)."""
+    a = start("node-a")
+    nodes = [a]
+    try:
+        a.wait_for_event(_step(5), TIMEOUT)
+        listens = harness.listening(a.proc.pid)
+        pids = [a.worker_pids()[0]]
+        nodes.append(b := start("node-b"))
+        grown = a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 2,
+                                 TIMEOUT)
+        settled(a, grown)
+        pids.append(harness.workers_of(a.proc.pid)[0])
+        b.kill_node()
+        a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 1
+                         and e["step"] > grown["step"], TIMEOUT)
+        pids.append(harness.workers_of(a.proc.pid)[0])
+        assert a.wait(TIMEOUT) == 0, a.report()
+    finally:
+        for n in nodes:
+            n.stop()
+    return a, pids, listens
+
+
 # Across real hosts, with a pulled cable: test_across_hosts.py (so extended here, on one host)
 @pytest.mark.extended
 @pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
@@ -221,35 +261,10 @@ def test_a_hand_written_loop_grows_and_shrinks_in_place_across_nodes(
         endpoint = request.getfixturevalue("etcd_v3").endpoint
     else:
         endpoint = f"127.0.0.1:{free_port()}"
-
-    def node(name: str) -> harness.Job:
-        conf = FAST_V3 if backend == "etcd-v3" else \
-            f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
-        return script_run(run_dir, steps, 0.03, [
-            "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
-            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={tmp_path.name}", f"--rdzv-conf={conf}"], name)
-
-    a = node("node-a")
-    nodes = [a]
-    try:
-        a.wait_for_event(_step(5), TIMEOUT)
-        rendezvous_listens = [a for a, port in harness.listening(a.proc.pid)
-                              if f"127.0.0.1:{port}" == endpoint]
-        pids = [a.worker_pids()[0]]
-        nodes.append(b := node("node-b"))
-        grown = a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 2,
-                                 TIMEOUT)
-        a.wait_for_event(_step(grown["step"] + 10), TIMEOUT)
-        pids.append(harness.workers_of(a.proc.pid)[0])
-        b.kill_node()
-        a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 1
-                         and e["step"] > grown["step"], TIMEOUT)
-        pids.append(harness.workers_of(a.proc.pid)[0])
-        assert a.wait(TIMEOUT) == 0, a.report()
-    finally:
-        for n in nodes:
-            n.stop()
+    a, pids, listens = _grow_then_lose_node_b(
+        lambda name: _agent_node(run_dir, steps, backend, endpoint, tmp_path.name, name),
+        lambda a, grown: a.wait_for_event(_step(grown["step"] + 10), TIMEOUT))
+    rendezvous_listens = [addr for addr, port in listens if f"127.0.0.1:{port}" == endpoint]
     assert pids[0] == pids[1] == pids[2], a.report()
     if backend == "c10d":  # node-a hosts the store of an endpoint on loopback: loopback only
         assert rendezvous_listens == ["127.0.0.1"], rendezvous_listens
@@ -277,33 +292,11 @@ def test_a_hand_written_fsdp_loop_grows_from_the_peers_and_shrinks_through_the_c
     Node-a's worker keeps its process throughout and each sample is used once per epoch."""
     run_dir, steps = tmp_path / "run", 300
     endpoint = f"127.0.0.1:{free_port()}"
-
-    def node(name: str) -> harness.Job:
-        conf = f"{FAST},is_host={'true' if name == 'node-a' else 'false'}"
-        return script_run(run_dir, steps, 0.03, [
-            "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={tmp_path.name}",
-            f"--rdzv-conf={conf}"], name, extra=("fsdp",))
-
-    a = node("node-a")
-    nodes = [a]
-    try:
-        a.wait_for_event(_step(5), TIMEOUT)
-        pids = [a.worker_pids()[0]]
-        nodes.append(b := node("node-b"))
-        grown = a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 2,
-                                 TIMEOUT)
-        a.wait_for_event(lambda e: e["event"] == "checkpoint_saved"
-                         and e["step"] > grown["step"], TIMEOUT)
-        pids.append(harness.workers_of(a.proc.pid)[0])
-        b.kill_node()
-        a.wait_for_event(lambda e: e["event"] == "step" and e["world_size"] == 1
-                         and e["step"] > grown["step"], TIMEOUT)
-        pids.append(harness.workers_of(a.proc.pid)[0])
-        assert a.wait(TIMEOUT) == 0, a.report()
-    finally:
-        for n in nodes:
-            n.stop()
+    a, pids, _ = _grow_then_lose_node_b(
+        lambda name: _agent_node(run_dir, steps, "c10d", endpoint, tmp_path.name, name,
+                                 extra=("fsdp",)),
+        lambda a, grown: a.wait_for_event(lambda e: e["event"] == "checkpoint_saved"
+                                          and e["step"] > grown["step"], TIMEOUT))
     assert pids[0] == pids[1] == pids[2], a.report()
     events = a.events()
     assert [e["event"] for e in events].count("start") == 1, a.report()

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,30 @@ def recoveries(job: harness.Job) -> list[dict[str, Any]]:
     return [e for e in job.events() if e["event"] == "recovery"]
 
 
+def saved(step: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["event"] == "checkpoint_saved" and e["step"] == step
+
+
+def stepped(step: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["event"] == "step" and e["step"] == step
+
+
+def kill_and_watch(job: harness.Job, kills: list[tuple[int, Callable[[dict[str, Any]], bool]]]
+                   ) -> list[bool]:
+    """For each (rank, when) in turn: SIGKILL that rank at the first event ``when`` takes,
+    and wait for the world to re-form; whether every other worker kept its process."""
+    kept = []
+    for count, (rank, when) in enumerate(kills):
+        job.wait_for_event(when, TIMEOUT)
+        pids = job.worker_pids()
+        job.kill_worker(rank)
+        job.wait_for_event(lambda e, count=count: e["event"] == "recovery"
+                           and len(recoveries(job)) > count, timeout=TIMEOUT)
+        kept.append({r: p for r, p in job.worker_pids().items() if r != rank}
+                    == {r: p for r, p in pids.items() if r != rank})
+    return kept
+
+
 def test_fsdp_sigkills_recover_in_place_from_the_checkpoint_bitwise(
         fsdp_reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
     """Four SIGKILLs in one ``elastic-train run`` (live recovery, the default): mid-interval
@@ -94,24 +119,15 @@ def test_fsdp_sigkills_recover_in_place_from_the_checkpoint_bitwise(
     rank goes back to the newest checkpoint, resharded on the new mesh, as a restart would,
     from the agents' memory tier."""
     reference, _ = fsdp_reference
-    kills = [(1, lambda e: e["event"] == "step" and e["step"] == 12),
-             (1, lambda e: e["event"] == "checkpoint_saved" and e["step"] == 20),
-             (1, lambda e: e["event"] == "step" and e["step"] == 25),
-             (0, lambda e: e["event"] == "step" and e["step"] == 33)]
+    kills = [(1, stepped(12)), (1, saved(20)), (1, stepped(25)), (0, stepped(33))]
     run_dir = tmp_path / "run"
     job = harness.elastic_run(run_dir, [*FSDP, "--max-restarts", "4"])
     try:
-        for count, (rank, when) in enumerate(kills):
-            job.wait_for_event(lambda e, when=when: when(e), timeout=TIMEOUT)
-            pids = job.worker_pids()
-            job.kill_worker(rank)
-            job.wait_for_event(lambda e, count=count: e["event"] == "recovery"
-                               and len(recoveries(job)) > count, timeout=TIMEOUT)
-            survivor = 1 - rank
-            assert job.worker_pids()[survivor] == pids[survivor]  # kept its process
+        kept = kill_and_watch(job, kills)
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
+    assert kept == [True] * len(kills), job.report()  # the survivor kept its process
     found = recoveries(job)
     assert [(r["kind"], r["state_from"], r["failed_ranks"]) for r in found] == [
         ("live", "checkpoint", [rank]) for rank, _ in kills], found
@@ -184,18 +200,11 @@ def test_hsdp_killed_workers_take_their_shards_from_their_replica_group_bitwise(
     job = harness.elastic_run(run_dir, [*HSDP, "--nproc-per-node", "4"])
     kills = [(3, 17), (0, 28)]
     try:
-        for count, (rank, step) in enumerate(kills):
-            job.wait_for_event(lambda e, step=step: e["event"] == "step"
-                               and e["step"] == step, TIMEOUT)
-            pids = job.worker_pids()
-            job.kill_worker(rank)
-            job.wait_for_event(lambda e, count=count: e["event"] == "recovery"
-                               and len(recoveries(job)) > count, timeout=TIMEOUT)
-            assert {r: p for r, p in job.worker_pids().items() if r != rank} == \
-                {r: p for r, p in pids.items() if r != rank}
+        kept = kill_and_watch(job, [(rank, stepped(step)) for rank, step in kills])
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
+    assert kept == [True] * len(kills), job.report()
     found = recoveries(job)
     assert [(r["kind"], r["state_from"], r["failed_ranks"]) for r in found] == [
         ("live", "peers", [rank]) for rank, _ in kills], found
@@ -314,22 +323,6 @@ def test_a_hand_written_fsdp_loop_killed_under_torchrun_resumes_with_unchanged_w
     assert_same_final_weights(run_dir, session_reference)
 
 
-def _kill_and_watch(job: harness.Job, kills: list[tuple[int, int]]) -> list[bool]:
-    """SIGKILL rank R once checkpoint S is saved, for each (R, S) in turn, waiting for the
-    world to re-form each time; whether every other worker kept its process."""
-    kept = []
-    for count, (rank, step) in enumerate(kills):
-        job.wait_for_event(lambda e, step=step: e["event"] == "checkpoint_saved"
-                           and e["step"] == step, TIMEOUT)
-        pids = job.worker_pids()
-        job.kill_worker(rank)
-        job.wait_for_event(lambda e, count=count: e["event"] == "recovery"
-                           and len(recoveries(job)) > count, timeout=TIMEOUT)
-        kept.append({r: p for r, p in job.worker_pids().items() if r != rank}
-                    == {r: p for r, p in pids.items() if r != rank})
-    return kept
-
-
 def test_a_hand_written_fsdp_loop_recovers_in_place_with_the_weights_of_one_never_killed(
         session_reference: Path, tmp_path: Path) -> None:
     """The same loop under ``elastic-train run``: rank 1 SIGKILLed after checkpoint 10,
@@ -341,7 +334,7 @@ def test_a_hand_written_fsdp_loop_recovers_in_place_with_the_weights_of_one_neve
     run_dir = tmp_path / "run"
     job = _session_loop(run_dir, 2, "elastic-train run")
     try:
-        kept = _kill_and_watch(job, [(1, 10), (0, 20)])
+        kept = kill_and_watch(job, [(1, saved(10)), (0, saved(20))])
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
@@ -369,7 +362,7 @@ def test_a_hand_written_hsdp_loop_takes_a_lost_ranks_shards_from_its_replica_gro
     run_dir = tmp_path / "run"
     job = _session_loop(run_dir, 2, "elastic-train run", nproc=4, args=("hsdp", "2"))
     try:
-        kept = _kill_and_watch(job, [(3, 10)])
+        kept = kill_and_watch(job, [(3, saved(10))])
         assert job.wait(TIMEOUT) == 0, job.report()
     finally:
         job.stop()
