@@ -59,12 +59,6 @@ class SilentPeers:
 
     def _on_silent(self, agents: set[str]) -> None:
         """The failure detector's call (its thread): peers fell silent; the loop acts."""
-        # The call comes after the detector's check, outside its lock: a plan adopted
-        # in between watches anew, and a suspicion of the generation before must not be
-        # kept for this one (the loop would re-form it at once, for nothing).
-        agents = agents & self._heartbeats.suspects()
-        if not agents:
-            return
         log.warning("no answer from the agent(s) %s for %.1f s (failure detector): the world "
                     "re-forms without them", ", ".join(sorted(agents)),
                     self._heartbeats.timeout)

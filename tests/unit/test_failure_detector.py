@@ -142,21 +142,3 @@ def test_the_launcher_takes_a_peer_timeout_of_zero_or_of_two_pings_at_least():
         with pytest.raises(SystemExit):
             parser.parse_args(["--peer-timeout", bad])
 
-
-def test_a_report_of_a_peer_no_longer_suspected_is_dropped() -> None:
-    """The detector calls back outside its lock: a report that a plan adopted since made
-    stale (the peer is not watched, or is heard again) is not kept for the new plan."""
-    from elastic_train.agent.silent_peers import SilentPeers
-
-    woken: list[int] = []
-    peers = SilentPeers("127.0.0.1", "127.0.0.1", timeout=0.3, wake=lambda: woken.append(1),
-                        check_store=None)
-    try:
-        peers._on_silent({"gone-agent"})                # not watched (any more)
-        assert peers._silenced == set() and woken == []
-        # a peer that never answers (nothing listens there): the detector's own report
-        peers._heartbeats.watch("me", [Peer("me", peers.beat), Peer("mute", "127.0.0.1:9")])
-        _wait_for(lambda: peers._silenced == {"mute"}, timeout=5)
-        assert woken
-    finally:
-        peers.close()
