@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-extended test-fast lint setup clean
+.PHONY: demo test test-extended test-fast test-compat lint setup clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test-extended: setup
 ## Unit tests only (seconds).
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+## The unit suite and the proofs that lean on torch's internals, on another torch, in a venv
+## of its own (.venv-compat/): make test-compat TORCH=torch==2.14.1 (docs/torch-versions.md).
+test-compat:
+	bash scripts/test-compat.sh "$(TORCH)"
 
 lint: setup
 	$(BIN)/ruff check elastic_train tests examples scripts benchmarks deploy

@@ -8,13 +8,14 @@ test (tests/unit/test_torch_seams.py).
 
 from __future__ import annotations
 
+import dis
 import importlib
 import inspect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Private", "missing"]
+__all__ = ["Private", "missing", "problems"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,45 @@ def _resolve(private: Private) -> tuple[object | None, str | None]:
 
 
 def _assigns(cls: type, member: str) -> bool:
+    """Whether some class of ``cls``'s MRO assigns ``self.member``: in its methods'
+    bytecode (microseconds), else in its source (tens of milliseconds a class: the
+    check at start, torch_compat.py, takes this path only for a name it will refuse)."""
+    return _stores(cls, member) or _assigns_in_source(cls, member)
+
+
+def _stores(cls: type, member: str) -> bool:
+    """Whether a function defined on some class of ``cls``'s MRO (or nested in one) stores
+    ``self.member`` (``self``: the name its code loads right before ``STORE_ATTR``)."""
+    codes = []
+    for klass in inspect.getmro(cls):
+        for value in vars(klass).values():
+            if isinstance(value, staticmethod | classmethod):
+                value = value.__func__
+            functions = (value.fget, value.fset) if isinstance(value, property) else (value,)
+            codes += [f.__code__ for f in functions if inspect.isfunction(f)]
+    while codes:
+        code = codes.pop()
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+        if member not in code.co_names:
+            continue
+        previous = None
+        for instruction in dis.get_instructions(code):
+            if instruction.opname == "STORE_ATTR" and instruction.argval == member \
+                    and previous is not None and _loads_self(previous):
+                return True
+            if instruction.opname not in ("CACHE", "EXTENDED_ARG"):
+                previous = instruction
+    return False
+
+
+def _loads_self(instruction: dis.Instruction) -> bool:
+    """Whether ``instruction`` loads the name ``self`` (a local, or a closure's cell)."""
+    values = instruction.argval if isinstance(instruction.argval, tuple) \
+        else (instruction.argval,)
+    return instruction.opname.startswith(("LOAD_FAST", "LOAD_DEREF")) and "self" in values
+
+
+def _assigns_in_source(cls: type, member: str) -> bool:
     """Whether some class of ``cls``'s MRO assigns ``self.member`` in its source."""
     pattern = re.compile(rf"\bself\.{re.escape(member)}\s*(:[^=\n]*)?=(?!=)")
     for klass in inspect.getmro(cls):
@@ -77,16 +117,21 @@ def _signature_problem(obj: object, params: tuple[str, ...]) -> str | None:
     return None
 
 
-def missing(required: Iterable[Private]) -> list[str]:
-    """One line per private name that this torch lacks or reshaped; [] when all hold."""
-    import torch
-
-    lines = []
+def problems(required: Iterable[Private]) -> list[tuple[Private, str]]:
+    """(name, what is wrong) for each private name this torch lacks or reshaped."""
+    found = []
     for private in required:
         obj, problem = _resolve(private)
         if problem is None and obj is not None and private.params is not None:
             problem = _signature_problem(obj, private.params)
         if problem is not None:
-            lines.append(f"torch {torch.__version__}: {private.module}.{private.path}: "
-                         f"{problem} (elastic_train uses it {private.why})")
-    return lines
+            found.append((private, problem))
+    return found
+
+
+def missing(required: Iterable[Private]) -> list[str]:
+    """One line per private name that this torch lacks or reshaped; [] when all hold."""
+    import torch
+
+    return [f"torch {torch.__version__}: {private.module}.{private.path}: {problem} "
+            f"(elastic_train uses it {private.why})" for private, problem in problems(required)]

@@ -27,7 +27,7 @@ TORCHRUN_OPTIONS = frozenset({
     "max_restarts", "monitor_interval", "start_method", "event_log_handler", "role",
     "log_dir", "redirects", "tee", "local_ranks_filter", "duplicate_stdout_filters",
     "duplicate_stderr_filters", "node_rank", "master_addr", "master_port", "local_addr",
-    "signals_to_handle", "shutdown_timeout",
+    "signals_to_handle", "shutdown_timeout", "log_line_prefix_template",
 })
 TORCHRUN_FLAGS = frozenset({"standalone", "module", "no_python", "run_path",
                             "virtual_local_rank"})

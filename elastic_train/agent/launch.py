@@ -180,7 +180,8 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str],
                         ("--local-ranks-filter", ns.local_ranks_filter),
                         ("--duplicate-stdout-filters", ns.duplicate_stdout_filters),
                         ("--duplicate-stderr-filters", ns.duplicate_stderr_filters),
-                        ("--logs-specs", ns.logs_specs), ("--numa-binding", ns.numa_binding)):
+                        ("--logs-specs", ns.logs_specs), ("--numa-binding", ns.numa_binding),
+                        ("--log-line-prefix-template", ns.log_line_prefix_template)):
         if value not in (None, "", []):
             argv.append(f"{flag}={value}")
     if ns.virtual_local_rank:
@@ -194,9 +195,11 @@ def torchrun_argv(ns: argparse.Namespace, job_args: Sequence[str],
 
 _DROPPED_ON_OLDER_TORCH = {
     "--shutdown-timeout": "the agent waits torch's default, 30 s, before it SIGKILLs a worker",
+    "--log-line-prefix-template": "tee'd lines keep torch's default prefix; set "
+                                  "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, which it reads, instead",
 }
-"""Options of ours that an older torch's torchrun lacks (``--shutdown-timeout``: 2.13), and
-what a job gets without them."""
+"""Options of ours that an older torch's torchrun lacks (``--shutdown-timeout`` is torchrun's
+since 2.13, ``--log-line-prefix-template`` since 2.14), and what a job gets without them."""
 
 
 def options_torchrun_knows(cmd: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -466,8 +469,10 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
 
     from elastic_train.rendezvous import timing
     from elastic_train.rendezvous.preflight import check_rendezvous
+    from elastic_train.torch_compat import check_at_launch
 
     try:
+        check_at_launch()  # this torch against the seams, before any worker starts
         check_rendezvous(ns.rdzv_backend, ns.rdzv_endpoint,
                          parse_rdzv_conf(rdzv_conf_with_defaults(ns.rdzv_backend, ns.rdzv_conf)))
         if config is not None:

@@ -28,13 +28,13 @@ OUR_DEFAULTS: dict[str, object] = {"nproc_per_node": "2", "max_restarts": 3,
 for more (rendezvous/config.py)."""
 TORCHRUN_DEFAULTS: dict[str, object] = {"nproc_per_node": "1", "max_restarts": 0,
                                         "rdzv_backend": "static", "rdzv_id": "none"}
-"""torchrun's (torch 2.13's parser; a unit test checks them against the installed one)."""
+"""torchrun's (torch 2.11-2.14's parser; a unit test checks them against the installed one)."""
 TORCHRUN_MASTER_PORT = 29500
 """torchrun's master port when none is given (``torch.distributed.run.run``)."""
 
 REFUSED: dict[str, str] = {}
 """torchrun options ``elastic-train run`` refuses: option -> one line saying why and what to
-use instead. Empty: every option of torch 2.13's torchrun is taken (a newer torch's new
+use instead. Empty: every option of torchrun 2.11 to 2.14 is taken (a newer torch's new
 options go here, or into the parser, before its test passes)."""
 
 START_METHODS = {"spawn": "subprocess", "fork": "forkserver", "forkserver": "forkserver"}
@@ -105,6 +105,49 @@ def add_torchrun_options(p: argparse.ArgumentParser) -> None:
         help="seconds the agent waits after SIGTERM before it SIGKILLs a worker "
              "(torch's default: 30; keep it above --preemption-budget)")
     opt("--virtual-local-rank", "--virtual_local_rank", action="store_true")
+    # torch 2.14's: taken on every torch (an older one gets them as said in each's help)
+    opt("--log-line-prefix-template", "--log_line_prefix_template", default="",
+        help="the prefix of each tee'd console line, with ${role_name}, ${local_rank}, "
+             "${rank} and ${hostname} (torch's default '[${role_name}${local_rank}]:'); on a "
+             "torch before 2.14, whose torchrun lacks the option, set "
+             "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE instead, which it reads")
+    opt("--print-completion", "--print_completion", action=PrintCompletion,
+        choices=completion_shells(),
+        help="print a shell completion script for elastic-train to stdout and exit (e.g. "
+             "--print-completion zsh > ~/.zsh/completions/_elastic-train); needs the "
+             "optional shtab package, as torchrun's")
+
+
+def completion_shells() -> list[str]:
+    """The shells ``--print-completion`` takes: shtab's, or torchrun's list without it."""
+    try:
+        import shtab
+    except ImportError:
+        return ["bash", "zsh", "tcsh"]
+    return list(shtab.SUPPORTED_SHELLS)
+
+
+class PrintCompletion(argparse.Action):
+    """``--print-completion SHELL`` (torchrun's, torch 2.14): a completion script, derived
+    by shtab from the parsers, for the ``elastic-train`` command and its ``run`` options,
+    on stdout; then exit. Without shtab: one line, exit 1, as torchrun."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        try:
+            import shtab
+        except ImportError:
+            parser.exit(1, f"elastic-train: error: {option_string} needs the shtab package: "
+                           "pip install shtab\n")
+        command = argparse.ArgumentParser(prog="elastic-train")
+        commands = command.add_subparsers(dest="command")
+        commands.add_parser("run", parents=[parser], add_help=False,
+                            help="run an elastic training job")
+        for name, what in (("checkpoints", "list, verify or export checkpoints"),
+                           ("report", "draw a run from its event log")):
+            commands.add_parser(name, help=what)
+        print(shtab.complete(command, shell=str(values)))
+        parser.exit()
 
 
 def apply_pet_defaults(p: argparse.ArgumentParser) -> None:

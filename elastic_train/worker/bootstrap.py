@@ -16,6 +16,7 @@ from pathlib import Path
 
 from elastic_train.config import StorageConfig
 from elastic_train.rundir import RunDir
+from elastic_train.torch_compat import check_in_worker
 from elastic_train.worker.determinism import make_deterministic
 from elastic_train.worker.distributed import Group, init_group
 from elastic_train.worker.env import WorkerEnv
@@ -43,6 +44,7 @@ def place_worker(env: WorkerEnv, run_dir: str | Path, *, recovery: str, backend:
     recovery, for the line that says live recovery needs our agent. ``own_process``: the
     process is ours (the built-in job), named after its rank even where a user's would keep
     its name (no live recovery: its rank is torchrun's)."""
+    check_in_worker(env.rank)  # this torch against the worker's seam (torch_compat.py)
     if deterministic:
         make_deterministic()
     live = live_world_for(recovery, env, backend, timeout_seconds, restart_spelling)

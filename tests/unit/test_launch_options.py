@@ -188,3 +188,63 @@ def test_failed_worker_lines_name_the_global_rank() -> None:
     assert GlobalRankFilter().filter(record)
     assert record.getMessage() == ("failed (exitcode: -9) rank: 3 (local_rank: 0, pid: 4242) "
                                    "of fn: run_script (start_method: forkserver)")
+
+
+# torch 2.14's options (issue 39), on whichever torch is installed.
+TEMPLATE = "${hostname}:${rank}: "
+
+
+def test_the_log_line_prefix_template_reaches_torchs_agent_or_is_said(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from elastic_train.agent.launch import options_torchrun_knows
+
+    ns = settled(["--log-line-prefix-template", TEMPLATE])
+    cmd = torchrun_argv(ns, [], ["t.py"])
+    assert f"--log-line-prefix-template={TEMPLATE}" in cmd
+    parser = torchrun.get_args_parser()
+    kept = options_torchrun_knows(cmd, parser)
+    monkeypatch.delenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", raising=False)
+    config, _, _ = torchrun.config_from_args(torchrun.parse_args(kept))
+    if "--log-line-prefix-template" in torchrun_options():  # torch 2.14 and newer
+        assert kept == cmd and capsys.readouterr().err == ""
+        assert config.log_line_prefix_template == TEMPLATE
+        return
+    import torch
+
+    assert kept == [a for a in cmd if not a.startswith("--log-line-prefix-template")]
+    assert capsys.readouterr().err == (
+        f"elastic-train: torch {torch.__version__}'s torchrun has no "
+        "--log-line-prefix-template: tee'd lines keep torch's default prefix; set "
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, which it reads, instead\n")
+    assert config.log_line_prefix_template is None
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", TEMPLATE)  # what the line says
+    config, _, _ = torchrun.config_from_args(torchrun.parse_args(kept))
+    assert config.log_line_prefix_template == TEMPLATE
+
+
+def test_the_log_line_prefix_template_comes_from_its_pet_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_LOG_LINE_PREFIX_TEMPLATE", TEMPLATE)
+    assert settled([]).log_line_prefix_template == TEMPLATE
+    assert settled(["--log_line_prefix_template", "x"]).log_line_prefix_template == "x"
+
+
+def test_print_completion_without_shtab_is_one_line_and_exit_1(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "shtab", None)  # import shtab fails
+    with pytest.raises(SystemExit) as caught:
+        launcher_parser().parse_args(["--print-completion", "bash"])
+    assert caught.value.code == 1
+    assert capsys.readouterr().err == ("elastic-train: error: --print-completion needs the "
+                                       "shtab package: pip install shtab\n")
+
+
+def test_print_completion_prints_the_commands_completion(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("shtab", reason="shtab is optional (as for torchrun): not installed")
+    with pytest.raises(SystemExit) as caught:
+        launcher_parser().parse_args(["--print_completion", "bash"])
+    assert caught.value.code == 0
+    script = capsys.readouterr().out
+    assert "elastic-train" in script and "--nproc-per-node" in script
+    assert "--log-line-prefix-template" in script and "checkpoints" in script
