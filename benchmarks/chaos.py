@@ -1,0 +1,180 @@
+"""The fault campaign soak: seeded random faults in sequence on 3 hosts (network namespaces),
+campaign after campaign, and a table of what they cost.
+
+    sudo .venv/bin/python benchmarks/chaos.py --backend etcd-v3 --faults 300
+    sudo .venv/bin/python benchmarks/chaos.py --backend c10d --faults 150
+    sudo .venv/bin/python benchmarks/chaos.py --replay benchmarks/results/chaos-.../seed-17.json
+
+Each campaign (``--per-campaign`` faults, seed ``--seed + i``) runs on a fresh bed of 3 node
+hosts (and etcd's host): the built-in job (or ``--loop session``: a hand-written
+ElasticSession loop), ``elastic-train run --nnodes 1:3`` on each host, defaults otherwise.
+The engine is tests/chaos/ (schedule, campaign, audit); the invariants it checks are in
+tests/chaos/campaign.py's docstring. Prints, and writes to ``--out`` (a folder of
+benchmarks/results/ by default): faults by kind; fault -> next step and heal -> full world
+as p50 / p99 / max per kind; every violation with its campaign's seed, and each failed
+campaign's schedule as seed-N.json (``--replay`` runs one again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests import netbed as nb  # noqa: E402
+from tests.chaos.campaign import Campaign, FaultRecord, Setup, small_disk  # noqa: E402
+from tests.chaos.schedule import KINDS, Schedule, make_schedule  # noqa: E402
+
+ETCD_KINDS = list(KINDS)
+C10D_KINDS = [k for k in KINDS if not KINDS[k].needs_etcd]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def table(records: list[FaultRecord]) -> str:
+    """Faults by kind; fault -> next step and heal -> full world, p50 / p99 / max."""
+    by_kind: dict[str, list[FaultRecord]] = defaultdict(list)
+    for r in records:
+        by_kind[r.fault.kind].append(r)
+    lines = ["| fault | n | fault -> next step p50 / p99 / max (s) | heal -> full world "
+             "p50 / p99 / max (s) |", "|---|---|---|---|"]
+
+    def cell(values: list[float], n: int) -> str:
+        if not values:
+            return "-"
+        missing = f" ({n - len(values)} unmeasured)" if len(values) < n else ""
+        return (f"{percentile(values, 50):.2f} / {percentile(values, 99):.2f} / "
+                f"{max(values):.2f}{missing}")
+
+    for kind in sorted(by_kind):
+        rs = by_kind[kind]
+        nxt = [r.next_step for r in rs if r.next_step is not None]
+        full = [r.full_world for r in rs if r.full_world is not None]
+        lines.append(f"| {kind} | {len(rs)} | {cell(nxt, len(rs))} | {cell(full, len(rs))} |")
+    return "\n".join(lines)
+
+
+def run_campaign(setup: Setup, schedule: Schedule, workdir: Path, disk: bool
+                 ) -> tuple[list[FaultRecord], list[str], bool]:
+    """One campaign on a fresh bed; (records, violations, whether the job died)."""
+    names = setup.names
+    bed = nb.Netbed.create(names, etcd=setup.backend == "etcd-v3", workdir=workdir / "bed")
+    try:
+        with contextlib.ExitStack() as stack:
+            where = workdir / "disk"
+            where.mkdir(parents=True, exist_ok=True)
+            if disk:
+                stack.enter_context(small_disk(where))
+            campaign = Campaign(bed, setup, where)
+            campaign.start()
+            campaign.run(schedule)
+            campaign.finish()
+            return campaign.records, [str(v) for v in campaign.violations], campaign.job_died
+    finally:
+        bed.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["etcd-v3", "c10d"], default="etcd-v3")
+    parser.add_argument("--loop", choices=["builtin", "session"], default="builtin")
+    parser.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--faults", type=int, default=30, help="faults in all")
+    parser.add_argument("--per-campaign", type=int, default=15,
+                        help="faults per campaign (each on a fresh bed)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kinds", default="",
+                        help="comma-separated fault kinds (default: all the backend has)")
+    parser.add_argument("--replay", type=Path, default=None,
+                        help="a schedule file (seed-N.json) to run again")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    reason = nb.unavailable_reason()
+    if reason is not None:
+        print(f"chaos: cannot make the test bed: {reason}", file=sys.stderr)
+        return 2
+    setup = Setup(backend=args.backend, loop=args.loop, parallelism=args.parallelism)
+    kinds = [k for k in args.kinds.split(",") if k] or \
+        (ETCD_KINDS if args.backend == "etcd-v3" else C10D_KINDS)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    stamp = datetime.date.today().isoformat()
+    out = args.out or REPO / "benchmarks" / "results" / \
+        f"chaos-{args.backend}-{args.loop}-{args.parallelism}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.replay is not None:
+        schedules = [Schedule.decode(args.replay.read_text())]
+    else:
+        campaigns = max(1, -(-args.faults // args.per_campaign))
+        protected = [setup.names[0]] if args.backend == "c10d" else []
+        schedules = []
+        for i in range(campaigns):
+            count = min(args.per_campaign, args.faults - i * args.per_campaign)
+            schedules.append(make_schedule(args.seed + i, count, setup.names, kinds,
+                                           nproc=setup.nproc, protected=protected))
+    all_records: list[FaultRecord] = []
+    failures: list[str] = []
+    deaths = 0
+    started = time.monotonic()
+    for schedule in schedules:
+        print(f"[chaos] campaign seed {schedule.seed}: {len(schedule.faults)} faults",
+              flush=True)
+        workdir = Path(f"/tmp/chaos-{schedule.seed}-{int(time.time())}")
+        records, violations, died = run_campaign(
+            setup, schedule, workdir, disk=any(f.kind == "disk_full" for f in schedule.faults))
+        all_records.extend(records)
+        deaths += died
+        if violations:
+            (out / f"seed-{schedule.seed}.json").write_text(schedule.encode())
+            for v in violations:
+                failures.append(f"seed {schedule.seed}: {v}")
+                print(f"[chaos] VIOLATION seed {schedule.seed}: {v}", flush=True)
+            print(f"[chaos] logs kept in {workdir}", flush=True)
+        else:
+            subprocess.run(["rm", "-rf", str(workdir)], check=False)
+    elapsed = time.monotonic() - started
+    text = "\n".join([
+        f"# Fault campaign: {args.backend}, {args.loop} loop, {args.parallelism}",
+        "",
+        f"- command: `python benchmarks/chaos.py {' '.join(argv or sys.argv[1:])}`",
+        f"- commit {commit}, {stamp}, {platform.node()}, {platform.processor() or 'cpu'}, "
+        f"{len(schedules)} campaign(s), seeds {[s.seed for s in schedules]}, "
+        f"{len(all_records)} faults, {elapsed / 60:.1f} min",
+        f"- job deaths {deaths}, violations {len(failures)}",
+        "",
+        table(all_records),
+        "",
+        "## Violations",
+        "",
+        *([f"- {f}" for f in failures] or ["none"]),
+        "",
+    ])
+    (out / "README.md").write_text(text)
+    (out / "faults.jsonl").write_text("".join(
+        json.dumps({"kind": r.fault.kind, "host": r.fault.host, "hold": r.fault.hold,
+                    "next_step": r.next_step, "full_world": r.full_world,
+                    "notes": r.notes}) + "\n" for r in all_records))
+    print(text)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
