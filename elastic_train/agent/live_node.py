@@ -62,16 +62,16 @@ class LiveNode:
         self.address = f"{host}:{self.store.port}"
         """This agent's id in a plan: HOST:PORT of its store."""
         c10d = worker_group.spec.rdzv_handler.get_backend() == "c10d"
+        self.silence: SilentPeers | None = None
+        if options.peer_timeout > 0:
+            self.silence = SilentPeers(options.listen_host, host, options.peer_timeout,
+                                       wake.set, check_store if c10d else None)
         self.coordinator = Coordinator(
             self.address, self.store, PeerStores(timeout=FOLLOW_SECONDS), options.min_nodes,
             # c10d's store is a TCPStore in one agent: should that node fall silent (or
             # this one be cut off), torch's client would wait forever
             bounded=functools.partial(bounded, seconds=STORE_ANSWER_SECONDS) if c10d
-            else lambda call: call())
-        self.silence: SilentPeers | None = None
-        if options.peer_timeout > 0:
-            self.silence = SilentPeers(options.listen_host, host, options.peer_timeout,
-                                       wake.set, check_store if c10d else None)
+            else lambda call: call(), suspects=self.silent)
         self.beat = self.silence.beat if self.silence is not None else ""
         """Where this agent answers the failure detector's pings (HOST:PORT; "": nowhere)."""
         # its own client, where the store listens (only on --local-addr across hosts)

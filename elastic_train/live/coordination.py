@@ -177,13 +177,15 @@ class Coordinator:
     ``address``: the agent's id in plans; ``node_store``: the agent's own store (peers call
     it there, its plans are read there); ``peers``: the other agents' stores; ``min_nodes``:
     a world never re-forms in place with fewer; ``bounded``: how a commit to the job's
-    store is called (c10d's store may never answer: the agent bounds the call).
+    store is called (c10d's store may never answer: the agent bounds the call);
+    ``suspects``: the members the failure detector suspects now (never waited for).
     """
 
     def __init__(self, address: str, node_store: Store, peers: Peers, min_nodes: int = 1,
                  bounded: Callable[[Callable[[], bytes]], bytes] = _direct,
                  arrive_seconds: float = ARRIVE_SECONDS,
-                 follow_seconds: float = FOLLOW_SECONDS) -> None:
+                 follow_seconds: float = FOLLOW_SECONDS,
+                 suspects: Callable[[], Iterable[str]] = tuple) -> None:
         self.address = address
         self.node_store = node_store
         self.peers = peers
@@ -191,6 +193,10 @@ class Coordinator:
         self.bounded = bounded
         self.arrive_seconds = arrive_seconds
         self.follow_seconds = follow_seconds
+        self.suspects = suspects
+        """The members the failure detector suspects now: a member that took a call and
+        falls silent before it arrives (its host frozen or cut off just then) is not
+        waited for beyond the detector's timeout."""
         self.plan: Plan | None = None
         self.plan_raw = b""
         """The plan as committed (the job's store swaps from these exact bytes)."""
@@ -291,6 +297,12 @@ class Coordinator:
         arrivals = {self.address: arrival}
         deadline = time.monotonic() + self.arrive_seconds
         while called - arrivals.keys() and time.monotonic() < deadline:
+            silenced = (called - arrivals.keys()) & set(self.suspects())
+            if silenced:  # took the call, then fell silent: lost
+                log.warning("the agent(s) %s took the call to generation %d and fell "
+                            "silent: the world re-forms without them",
+                            ", ".join(sorted(silenced)), generation)
+                called -= silenced
             for agent in called - arrivals.keys():
                 raw = local_value(self.node_store, arrival_key(generation, agent))
                 if raw is not None:

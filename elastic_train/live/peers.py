@@ -93,6 +93,11 @@ class PeerStores:
             client = self.client(address)
             client.set(key, value)
             wake(client)
+            # A set is never answered: on a connection kept from an earlier call to an
+            # agent that died since, it lands in the kernel's buffer and "succeeds". A read
+            # is answered, or fails at once on the reset connection.
+            if not client.check([key]):
+                raise ConnectionError(f"the store at {address} did not keep {key}")
 
         try:
             bounded(call, 2 * PROBE_SECONDS)

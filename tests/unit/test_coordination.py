@@ -196,3 +196,29 @@ def test_the_coordination_imports_no_torch() -> None:
     modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
     assert {m for m in modules if m.startswith("elastic_train.")} == {"elastic_train.live.plan"}
+
+
+def test_a_member_that_takes_the_call_and_falls_silent_is_not_waited_for() -> None:
+    """A host frozen (or cut off) just after its store took the call never arrives: once
+    the failure detector suspects it, the coordinator re-forms without it instead of
+    waiting out ``arrive_seconds`` (found by the fault campaign: a killed node whose store
+    connection the coordinator kept from an earlier call cost 10 s)."""
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B)
+    network.store(C)  # C's store takes the call; C itself never answers it
+    suspected_at = time.monotonic() + 0.1
+    coordinator = coordinators[A]
+    coordinator.arrive_seconds = 30.0
+    coordinator.suspects = lambda: {C} if time.monotonic() >= suspected_at else set()
+    results: dict[str, Outcome] = {}
+    follower = threading.Thread(target=member, args=(coordinators[B], job, results))
+    follower.start()
+    started = time.monotonic()
+    outcome = reform(coordinator, job)
+    took = time.monotonic() - started
+    follower.join(5)
+    assert isinstance(outcome, tuple), outcome
+    assert outcome[0].agents == (A, B)
+    assert took < 2.0, took  # not the 30 s arrive_seconds
+    assert isinstance(results.get(B), tuple) and results[B][0] == outcome[0]

@@ -207,3 +207,40 @@ def test_a_silent_agent_costs_a_bounded_call_and_the_caller_still_exits_cleanly(
     assert told == "False" and float(seconds) <= 2 * PROBE_SECONDS + 1.0
     assert done.returncode == 3, done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+
+
+AGENT_STORE = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=30))
+print(store.port, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_call_to_an_agent_that_died_since_the_last_call_fails_at_once() -> None:
+    """The coordinator keeps a client of each member's store. A store's ``set`` is never
+    answered, so on the kept connection of an agent killed since, it "succeeded" and the
+    coordinator waited its whole arrival timeout for the dead agent (the fault campaign's
+    10 s for a killed node). ``tell`` now reads its key back: the dead one is refused."""
+    import subprocess
+    import sys
+    import time
+
+    agent = subprocess.Popen([sys.executable, "-c", AGENT_STORE], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert agent.stdout is not None
+        address = f"127.0.0.1:{int(agent.stdout.readline())}"
+        peers = PeerStores(timeout=15.0)
+        assert peers.tell(address, "notice", "first call") is True
+        agent.kill()
+        agent.wait(timeout=10)
+        started = time.monotonic()
+        assert peers.tell(address, "notice", "second call") is False
+        assert time.monotonic() - started < 1.0
+    finally:
+        agent.kill()
+        agent.wait(timeout=10)
