@@ -79,11 +79,9 @@ def run_campaign(setup: Setup, schedule: Schedule, workdir: Path, disk: bool
     bed = nb.Netbed.create(names, etcd=setup.backend == "etcd-v3", workdir=workdir / "bed")
     try:
         with contextlib.ExitStack() as stack:
-            where = workdir / "disk"
-            where.mkdir(parents=True, exist_ok=True)
-            if disk:
-                stack.enter_context(small_disk(where))
-            campaign = Campaign(bed, setup, where)
+            if disk:  # the run dir on a small file system of its own (logs beside it)
+                stack.enter_context(small_disk(workdir / "run"))
+            campaign = Campaign(bed, setup, workdir)
             campaign.start()
             campaign.run(schedule)
             campaign.finish()

@@ -293,8 +293,9 @@ class LiveRecoveryAgent(TorchAgent):
         self._messages(worker_group).announce(self.address, plan, "abort")
         log.warning("the world re-formed in place as generation %d: %d workers on %d nodes "
                     "(%s)", plan.generation, plan.world_size, len(plan.members), plan.cause)
-        if plan.lost and plan.group_store == self.address:  # its coordinator, once told
-            forget_nodes(worker_group.spec.rdzv_handler, lost_members(plan, base))
+        if plan.lost:  # the rendezvous learns it too (torch's state: its coordinator)
+            forget_nodes(worker_group.spec.rdzv_handler, lost_members(plan, base),
+                         coordinator=plan.group_store == self.address)
         return True
 
     def _end_if_c10d_store_lost(self) -> None:

@@ -13,8 +13,10 @@ A node removed while it still runs (cut off, not dead) is what torch's expiry wo
 of it too: it stops sending heartbeats, finds itself outside the newer plan, and joins
 again as a new node.
 
-The lease design of etcd-v3 (lease_handler.py) needs none of this: a round there never
-waits for a member of the one before.
+The lease design of etcd-v3 (lease_handler.py) needs none of this to form its next round
+(a round there never waits for a member of the one before), but its members watch each
+other's leases: every agent tells its own handler which members live recovery left out,
+so that their leases expiring later does not re-form a world they are no longer in.
 
 Handlers offer this through two calls, ``rendezvous_node_id`` and ``forget_nodes``; a
 handler of our own may define methods of those names, torch's dynamic handler is served
@@ -60,11 +62,15 @@ def rendezvous_node_id(handler: RendezvousHandler) -> str:
         return ""
 
 
-def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str]) -> list[str]:
+def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str],
+                 coordinator: bool = True) -> list[str]:
     """Remove the nodes ``node_ids`` (``rendezvous_node_id`` of their agents) from the
     current round of ``handler``'s rendezvous now, as their heartbeats' expiry would later;
-    the ids removed. Never raises for the rendezvous' sake: on any error the nodes simply
-    expire as before (logged)."""
+    the ids removed. Every member of the re-formed world calls it: a handler of our own
+    forgets locally (etcd-v3's leases: the lost node's lease expiring later is then no
+    news); torch's dynamic rendezvous keeps one shared state, which only the
+    ``coordinator`` of the re-formation writes. Never raises for the rendezvous' sake: on
+    any error the nodes simply expire as before (logged)."""
     wanted = {n for n in node_ids if n}
     if not wanted:
         return []
@@ -72,6 +78,8 @@ def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str]) -> list[
         own = getattr(handler, "forget_nodes", None)
         if callable(own):
             return list(own(wanted))
+        if not coordinator:
+            return []
         holder = state_holder(handler)
         if holder is None:
             return []

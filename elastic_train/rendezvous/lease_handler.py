@@ -107,6 +107,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._monitors: list[Watch] = []
         self._waiting = False  # a node waits for the next round (it created its coordinator)
         self._lost: set[str] = set()  # members whose lease expired
+        self._forgotten: set[str] = set()
+        """Members of this round that live recovery already left out of the world: their
+        lease expiring later changes nothing (``forget_nodes``)."""
         self._member_key: str | None = None  # our node key in the round we are a member of
         self._joining: int | None = None  # the round a join in progress is in
         self._deadline: float | None = None  # of the join in progress
@@ -165,10 +168,26 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._kv.put(self.keys.closed, b"1", self._job_lease.current())
         self._closed = True
 
+    def rendezvous_node_id(self) -> str:
+        """This agent's node in the rendezvous (rendezvous/forget.py)."""
+        return self.node
+
+    def forget_nodes(self, nodes: set[str]) -> list[str]:
+        """Live recovery re-formed the world without ``nodes`` (rendezvous/forget.py): their
+        leases expiring later is no news. Local to this agent: every agent of the world
+        calls it for the members its plan lost, and nothing is written to etcd (a key on a
+        lease goes with the lease)."""
+        members = set(self.world.members) if self.world is not None else set()
+        found = sorted((nodes & members) - {self.node})
+        self._forgotten.update(found)
+        self._lost.difference_update(found)
+        return found
+
     def num_nodes_waiting(self) -> int:
         """Whether the world must re-form, as torch's agent reads it (> 0): 1 when a node
-        waits for the next round, plus 1 when a member's lease expired, or 1 when our own
-        did. Reads the members' watches, not etcd."""
+        waits for the next round, plus 1 when a member's lease expired (not one live
+        recovery already left out), or 1 when our own did. Reads the members' watches, not
+        etcd."""
         if self.world is None:
             return 0
         if self._lease.lost:
@@ -206,6 +225,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         node whose round closed with it while etcd was away is not left alone in the next."""
         self._stop_monitor()
         self.world = None
+        self._forgotten.clear()
         found = self._kv.get_many([self.keys.closed, self.keys.latest])  # etcd must answer
         if self._closed or self.keys.closed in found:
             raise RendezvousClosedError(f"rendezvous {self._run_id} is closed: the job ended")
@@ -376,7 +396,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         alive = {kv.key[len(self.keys.nodes(self.world.round)):] for kv in members}
         self._start_monitor(revision + 1)
         self._waiting = waiting is not None
-        self._lost.update(set(self.world.members) - alive - {self.node})
+        self._lost.update(set(self.world.members) - alive - {self.node} - self._forgotten)
 
     def _stop_monitor(self) -> None:
         for watch in self._monitors:
@@ -396,7 +416,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         prefix, members = self.keys.nodes(self.world.round), set(self.world.members)
         for event in died:
             node = event.key[len(prefix):]
-            if event.kind == "delete" and node in members and node != self.node:
+            if event.kind == "delete" and node in members and node != self.node \
+                    and node not in self._forgotten:
                 if node not in self._lost:
                     log.warning("node %s of rendezvous round %d is gone (its lease expired):"
                                 " re-forming the world without it", node, self.world.round)

@@ -142,6 +142,7 @@ class Campaign:
         self.violations: list[Violation] = []
         self.rdzv_id = f"chaos{os.getpid()}"
         self._ended = False
+        self._netem: bool | None = None
         self.job_died = False
 
     # ---- the job ---------------------------------------------------------------------------
@@ -271,7 +272,7 @@ class Campaign:
 
     def _fill_disk(self) -> Path:
         """Fill the run dir's file system (a tmpfs the campaign mounted) with a ballast."""
-        ballast = self.run_dir.parent / "ballast"
+        ballast = self.run_dir / "ballast"
         with open(ballast, "wb") as f, contextlib.suppress(OSError):
             chunk = b"\0" * (1 << 20)
             while True:
@@ -328,7 +329,12 @@ class Campaign:
             host.restore()
         elif kind == "slow_link":
             record.at = time.time()
-            host.slow_link(delay_ms=float(fault.detail.get("delay_ms", 50)))
+            if self._netem is None:
+                self._netem = self.bed.supports("netem")
+            if self._netem:
+                host.slow_link(delay_ms=float(fault.detail.get("delay_ms", 50)))
+            else:  # a kernel without sch_netem: a slow rate instead of a delay
+                host.slow_link(rate=str(fault.detail.get("rate", "20mbit")))
             self._pause(fault.hold, index)
             host.fast_link()
         elif kind == "etcd_kill":

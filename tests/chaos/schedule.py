@@ -41,7 +41,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "suspicion), SIGCONTed after the hold", silent=True),
     Kind("one_way", "packets to (or from) a host lost, restored after the hold", silent=True,
          node_leaves=True, needs="iptables"),
-    Kind("slow_link", "a host's link delayed (netem) for the hold", needs="netem"),
+    Kind("slow_link", "a host's link delayed (netem; where the kernel lacks it, its rate "
+         "cut by tbf) for the hold"),
     Kind("etcd_kill", "etcd SIGKILLed, started again on its data after the hold",
          needs_etcd=True),
     Kind("etcd_cable", "etcd's host's cable pulled, put back after the hold", silent=True,
@@ -122,6 +123,7 @@ def make_schedule(seed: int, count: int, hosts: Sequence[str], kinds: Sequence[s
             detail["direction"] = rng.choice(["incoming", "outgoing"])
         elif kind == "slow_link":
             detail["delay_ms"] = rng.choice([20, 50, 100])
+            detail["rate"] = rng.choice(["5mbit", "20mbit", "100mbit"])
         elif kind == "worker_kill":
             detail["local_rank"] = rng.randrange(nproc)
         elif kind == "kill_while_joining":

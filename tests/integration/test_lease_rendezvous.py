@@ -200,6 +200,28 @@ def test_a_dead_member_is_seen_by_its_lease_and_cannot_rewrite_the_round(
     assert again == [3, 3, 3]
 
 
+def test_a_lease_expiring_for_a_member_live_recovery_left_out_changes_nothing(
+        etcd_v3: EtcdServer) -> None:
+    """Live recovery re-forms the world without a frozen node in 1.5 s; its lease expires
+    later. A member that was told (forget_nodes, as every live agent is) does not take the
+    expiry for a new loss (in the fault campaign it stopped every worker, and the job
+    ended); one that was not told still does. A node that expires later is news."""
+    from elastic_train.rendezvous.forget import forget_nodes, rendezvous_node_id
+
+    kv = real_kv(etcd_v3)
+    run_id = uuid.uuid4().hex
+    members = [handler(kv, run_id, 4, 4, i, lease_ttl=2) for i in range(4)]
+    run_threads(lambda i: members[i].next_rendezvous(), 4)
+    told, untold, frozen, later = members
+    assert rendezvous_node_id(told) == told.node
+    assert forget_nodes(told, [frozen.node], coordinator=False) == [frozen.node]
+    kv.revoke_lease(frozen._lease.id)         # its lease expires
+    wait_until(lambda: untold.num_nodes_waiting() == 1, 5, "the untold member seeing it")
+    assert told.num_nodes_waiting() == 0
+    kv.revoke_lease(later._lease.id)          # another member goes: that one is news
+    wait_until(lambda: told.num_nodes_waiting() == 1, 5, "the told member seeing the other")
+
+
 def test_a_sigkilled_coordinator_mid_join_is_replaced_and_left_out(
         etcd_v3: EtcdServer, participants: list[Participants]) -> None:
     """The first joiner (the round's coordinator) dies while the round is open: its lease
