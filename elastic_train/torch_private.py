@@ -14,6 +14,7 @@ import inspect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["Private", "missing", "problems"]
 
@@ -95,6 +96,9 @@ def _assigns_in_source(cls: type, member: str) -> bool:
     pattern = re.compile(rf"\bself\.{re.escape(member)}\s*(:[^=\n]*)?=(?!=)")
     for klass in inspect.getmro(cls):
         try:
+            path = inspect.getsourcefile(klass)
+            if path is None or not pattern.search(Path(path).read_text(errors="replace")):
+                continue  # not in its module's file at all: no need to find the class in it
             source = inspect.getsource(klass)
         except (OSError, TypeError):
             continue

@@ -53,9 +53,14 @@ def strict(schema: Any) -> Any:
     return out
 
 
-def crd_schema(file_name: str) -> dict[str, Any]:
-    """The strict openAPIV3Schema of the served version of a CRD in ../shared/schemas."""
-    crd = yaml.safe_load((schemas_dir() / file_name).read_text())
+def crd_schema(file_name: str, directory: Path | None = None) -> dict[str, Any]:
+    """The strict openAPIV3Schema of the served version of a CRD in ``directory`` (default
+    ../shared/schemas)."""
+    if directory is None:
+        crd = yaml.safe_load((schemas_dir() / file_name).read_text())
+    else:  # the Trainer v2 CRDs are about 1 MB each: libyaml's safe loader where there is one
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        crd = yaml.load((directory / file_name).read_text(), Loader=loader)
     version = next(v for v in crd["spec"]["versions"] if v.get("served", True))
     return strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
 
@@ -134,4 +139,134 @@ def webhook_errors(job: dict[str, Any]) -> list[str]:
             errors.append("Master replicas must be 1")
         if kind == "Worker" and replica.get("replicas", 1) < 1:
             errors.append("Worker replicas must be at least 1")
+    return errors
+
+
+# --- Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1) ----------------------------------
+# Reimplemented from kubeflow/trainer v2.3.0 (commit 658725bd): the Torch plugin
+# (pkg/runtime/framework/plugins/torch/torch.go, EnforceMLPolicy and Validate), its constants
+# (pkg/constants/constants.go), and the CEL rules of the CRDs that jsonschema cannot evaluate
+# and that our manifests touch. The CRDs themselves: tests/schemas/trainer-v2/ (README.md).
+
+TRAINER_V2_SCHEMAS = Path(__file__).resolve().parent / "schemas" / "trainer-v2"
+TRAINER_V2_NODE = "node"  # the replicatedJob and the container the Torch plugin configures
+TRAINER_V2_ANCESTOR = ("trainer.kubeflow.org/trainjob-ancestor-step", "trainer")
+TRAINER_V2_PORT = 29500  # constants.ContainerTrainerPort
+TORCHRUN_RESERVED = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
+                     "PET_MASTER_PORT")
+ML_POLICIES = ("torch", "mpi", "jax", "xgboost", "flux")
+
+
+def trainer_v2_node_job(runtime: dict[str, Any]) -> dict[str, Any]:
+    """The runtime's replicatedJob of the nodes (named ``node``)."""
+    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    return next(j for j in jobs if j["name"] == TRAINER_V2_NODE)
+
+
+def trainer_v2_container(runtime: dict[str, Any]) -> dict[str, Any]:
+    """The runtime's container ``node`` of the node pods."""
+    pod = trainer_v2_node_job(runtime)["template"]["spec"]["template"]["spec"]
+    return next(c for c in pod["containers"] if c["name"] == TRAINER_V2_NODE)
+
+
+def _quantity_ceil(value: Any) -> int:
+    """resource.Quantity.Value() of a CPU or GPU count: rounded up ("500m" -> 1)."""
+    text = str(value)
+    if text.endswith("m"):
+        return -(-int(text[:-1]) // 1000)
+    return int(-(-float(text) // 1))
+
+
+def trainer_v2_nproc(train_job: dict[str, Any], runtime: dict[str, Any]) -> str:
+    """PET_NPROC_PER_NODE as the Torch plugin sets it: trainer.numProcPerNode, else "auto",
+    which becomes the CPU count per node where the node has no GPU."""
+    trainer = train_job["spec"].get("trainer") or {}
+    if trainer.get("numProcPerNode") is not None:
+        return str(trainer["numProcPerNode"])
+    resources = trainer.get("resourcesPerNode") or trainer_v2_container(runtime).get(
+        "resources") or {}
+    gpus = [v for part in ("requests", "limits") for k, v in (resources.get(part) or {}).items()
+            if "gpu" in k.lower()]
+    if gpus:
+        return "auto"
+    cpu = (resources.get("requests") or {}).get("cpu") or (resources.get("limits") or {}).get(
+        "cpu")
+    return str(max(1, _quantity_ceil(cpu) if cpu is not None else 0))
+
+
+def trainer_v2_env(train_job: dict[str, Any], runtime: dict[str, Any],
+                   node_rank: int) -> dict[str, str]:
+    """The PET_* variables the Torch plugin puts into container ``node`` of node
+    ``node_rank``'s pod (PET_NODE_RANK comes from the pod's Job completion index)."""
+    name = train_job["metadata"]["name"]
+    trainer = train_job["spec"].get("trainer") or {}
+    nodes = trainer.get("numNodes", runtime["spec"]["mlPolicy"].get("numNodes", 1))
+    return {"PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": trainer_v2_nproc(train_job, runtime),
+            "PET_NODE_RANK": str(node_rank),
+            "PET_MASTER_ADDR": f"{name}-{TRAINER_V2_NODE}-0-0.{name}",
+            "PET_MASTER_PORT": str(TRAINER_V2_PORT)}
+
+
+def trainer_v2_pod(train_job: dict[str, Any], runtime: dict[str, Any], node_rank: int
+                   ) -> tuple[list[str], dict[str, str]]:
+    """(the container's command and args, Kubernetes' $(VAR) expanded; its environment of
+    plain values) in node ``node_rank``'s pod: the runtime's container, the TrainJob's
+    trainer fields over it (command, args, env), then the plugin's PET_* variables."""
+    container = trainer_v2_container(runtime)
+    trainer = train_job["spec"].get("trainer") or {}
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    env.update({e["name"]: e["value"] for e in trainer.get("env", []) if "value" in e})
+    env.update(trainer_v2_env(train_job, runtime, node_rank))
+    argv = [*trainer.get("command", container.get("command", [])),
+            *trainer.get("args", container.get("args", []))]
+    return [expand(arg, env) for arg in argv], env
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of a command or argument: $(NAME) by the container's variable
+    NAME where defined (else left as it is), $$ for a literal $."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("$(", i) and ")" in text[i:]:
+            end = text.index(")", i)
+            name = text[i + 2:end]
+            out.append(env.get(name, text[i:end + 1]))
+            i = end + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def trainer_v2_errors(train_job: dict[str, Any], runtime: dict[str, Any]) -> list[str]:
+    """What Trainer v2 (its webhooks and the CRDs' CEL rules) refuses in this pair."""
+    errors = []
+    name = train_job["metadata"]["name"]
+    if not DNS_1035.match(name) or len(name) > 63:
+        errors.append("TrainJob metadata.name must be a DNS-1035 label of at most 63 characters")
+    ref = train_job["spec"]["runtimeRef"]
+    if (ref.get("kind", "ClusterTrainingRuntime"), ref["name"]) != (runtime["kind"],
+                                                                   runtime["metadata"]["name"]):
+        errors.append(f"runtimeRef {ref} does not name the runtime")
+    policy = runtime["spec"].get("mlPolicy") or {}
+    if sum(key in policy for key in ML_POLICIES) != 1:
+        errors.append("mlPolicy must set exactly one of " + ", ".join(ML_POLICIES))
+    trainer = train_job["spec"].get("trainer") or {}
+    if trainer.get("numNodes", 1) < 1 or policy.get("numNodes", 1) < 1:
+        errors.append("numNodes must be at least 1")
+    reserved = sorted({e["name"] for e in trainer.get("env", [])} & set(TORCHRUN_RESERVED))
+    if reserved:
+        errors.append(f"trainer.env must not have reserved envs: {reserved}")
+    try:
+        job = trainer_v2_node_job(runtime)
+        trainer_v2_container(runtime)
+    except StopIteration:
+        errors.append("the runtime has no replicatedJob and container named node")
+    else:
+        key, value = TRAINER_V2_ANCESTOR
+        if job["template"].get("metadata", {}).get("labels", {}).get(key) != value:
+            errors.append(f"replicatedJob node lacks the label {key}: {value}")
     return errors

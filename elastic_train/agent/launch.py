@@ -199,7 +199,7 @@ _DROPPED_ON_OLDER_TORCH = {
                                   "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, which it reads, instead",
 }
 """Options of ours that an older torch's torchrun lacks (``--shutdown-timeout`` is torchrun's
-since 2.13, ``--log-line-prefix-template`` since 2.14), and what a job gets without them."""
+since 2.12, ``--log-line-prefix-template`` since 2.14), and what a job gets without them."""
 
 
 def options_torchrun_knows(cmd: list[str], parser: argparse.ArgumentParser) -> list[str]:

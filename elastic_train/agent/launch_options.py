@@ -123,8 +123,8 @@ def completion_shells() -> list[str]:
     try:
         import shtab
     except ImportError:
-        return ["bash", "zsh", "tcsh"]
-    return list(shtab.SUPPORTED_SHELLS)
+        shtab = None
+    return list(getattr(shtab, "SUPPORTED_SHELLS", None) or ("bash", "zsh", "tcsh"))
 
 
 class PrintCompletion(argparse.Action):

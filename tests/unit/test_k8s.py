@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from elastic_train.agent.launch import launcher_parser, torchrun_argv
+from elastic_train.agent.launch import launcher_parser, options_torchrun_knows, torchrun_argv
 from elastic_train.agent.launch_options import resolve
 from elastic_train.config import parse_job_args
 from elastic_train.errors import ConfigError
@@ -234,7 +234,10 @@ def test_the_worker_command_and_the_operators_settings_make_the_intended_launch(
     else:
         assert str(config.run_dir).startswith("/checkpoints/")
     assert config.metrics.address == "0.0.0.0"
-    launch, _, _ = torchrun.config_from_args(torchrun.parse_args(torchrun_argv(ns, job_args)))
+    # as the launcher does: without the options this torch's torchrun lacks (torch 2.11:
+    # --shutdown-timeout), each said in one line
+    cmd = options_torchrun_knows(torchrun_argv(ns, job_args), torchrun.get_args_parser())
+    launch, _, _ = torchrun.config_from_args(torchrun.parse_args(cmd))
 
     policy = job["spec"]["elasticPolicy"]
     assert (launch.rdzv_backend, launch.min_nodes, launch.max_nodes) == (backend, low, high)

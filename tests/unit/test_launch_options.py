@@ -58,7 +58,11 @@ def test_taken_options_keep_torchruns_meaning_and_default() -> None:
         assert (mine.nargs == 0) == (theirs.nargs == 0), flag  # a flag here is a flag there
         if theirs.choices:
             assert set(mine.choices or ()) == set(theirs.choices), flag
-        if mine.dest not in DIFFERENT_DEFAULTS:
+        if mine.dest == "master_port" and theirs.default == launch_options.TORCHRUN_MASTER_PORT:
+            # torch 2.11's torchrun defaults to 29500 itself; 2.12 and newer to None, then
+            # 29500 (None tells them --master-port was not given): ours settles the same
+            assert settled([]).master_port == theirs.default
+        elif mine.dest not in DIFFERENT_DEFAULTS:
             assert mine.default == theirs.default, (flag, mine.default, theirs.default)
 
 
@@ -248,3 +252,28 @@ def test_print_completion_prints_the_commands_completion(
     script = capsys.readouterr().out
     assert "elastic-train" in script and "--nproc-per-node" in script
     assert "--log-line-prefix-template" in script and "checkpoints" in script
+
+
+# What Kubeflow Trainer v2's Torch plugin gives each node's container (v2.3.0; the values
+# of a TrainJob "job" of 2 nodes; tests/k8s_model.py trainer_v2_env derives them).
+TRAINER_V2 = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-node-0-0.job",
+              "PET_MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("nproc", ["1", "3", "auto"])
+def test_a_trainer_v2_pods_environment_settles_as_torchrun_does(
+        monkeypatch: pytest.MonkeyPatch, nproc: str) -> None:
+    for name, value in {**TRAINER_V2, "PET_NPROC_PER_NODE": nproc}.items():
+        monkeypatch.setenv(name, value)
+    ns = settled([])
+    theirs = torchrun.parse_args(["train.py"])
+    assert (ns.nnodes, ns.nproc_per_node, ns.node_rank, ns.rdzv_id, ns.max_restarts) == (
+        theirs.nnodes, theirs.nproc_per_node, theirs.node_rank, theirs.rdzv_id,
+        int(theirs.max_restarts)) == ("2", nproc, 1, "none", 0)
+    assert (ns.rdzv_backend, ns.rdzv_endpoint) == ("static", "job-node-0-0.job:29500")
+    ours, _, _ = torchrun.config_from_args(torchrun.parse_args(torchrun_argv(ns, [], ["t.py"])))
+    config, _, _ = torchrun.config_from_args(theirs)
+    for field in ("min_nodes", "max_nodes", "nproc_per_node", "run_id", "rdzv_backend",
+                  "rdzv_endpoint", "max_restarts"):
+        assert getattr(ours, field) == getattr(config, field), field
+    assert ours.rdzv_configs["rank"] == config.rdzv_configs["rank"] == 1
