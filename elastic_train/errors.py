@@ -83,6 +83,13 @@ class NodeStoppedError(ElasticTrainError):
     exit_code = 75  # EX_TEMPFAIL: the agent restarts the workers
 
 
+class NodeLeftError(ElasticTrainError):
+    """This node's agent cannot go on in the job (its restarts are spent while the others
+    train on, or the rendezvous closed while it waited to join): it leaves with this line
+    and a non-zero exit, never as if the job were done (on Kubernetes a pod that exits 0 is
+    "Completed" and never restarted)."""
+
+
 class MemoryTierError(CheckpointError):
     """The memory tier (the agents' snapshot holders, worker/memory_tier.py) could not take
     or give a snapshot: the caller goes on with the durable store."""

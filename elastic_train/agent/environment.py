@@ -17,7 +17,12 @@ import os
 import tempfile
 from collections.abc import Iterator, Mapping
 
-from elastic_train.live.environment import RENDEZVOUS_SECONDS, WORKER_ENV_FILE, read_env_file
+from elastic_train.live.environment import (
+    RENDEZVOUS_SECONDS,
+    STOP_NOTE,
+    WORKER_ENV_FILE,
+    read_env_file,
+)
 
 # Launcher options that torchrun also reads from PET_<NAME> (torch.distributed.argparse_util:
 # ``env`` takes the value, ``check_env`` a flag, set by any non-zero integer).
@@ -95,6 +100,42 @@ def worker_env_file() -> Iterator[str]:
         os.environ.pop(WORKER_ENV_FILE, None)
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+@contextlib.contextmanager
+def stop_note_file() -> Iterator[str]:
+    """Where this agent writes why it stops its own workers (``STOP_NOTE``), named in the
+    environment the workers inherit (set before their forkserver starts) until the block
+    ends. The file exists only while such a stop is under way (``agent_stopping``)."""
+    directory = tempfile.mkdtemp(prefix="elastic-train-stop-")
+    path = os.path.join(directory, "note")
+    os.environ[STOP_NOTE] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop(STOP_NOTE, None)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+@contextlib.contextmanager
+def agent_stopping(reason: str) -> Iterator[None]:
+    """While the block stops this agent's workers, a SIGTERM they get is the agent's own
+    (``reason``), not a preemption: they leave at a step boundary with a checkpoint, say
+    why, and never exit as if the job were done. Without ``stop_note_file`` (a plain
+    launch) nothing is written."""
+    path = os.environ.get(STOP_NOTE)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(reason)
+    try:
+        yield
+    finally:
+        if path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def set_for_workers(key: str, value: str) -> None:

@@ -46,7 +46,7 @@ from elastic_train.config import (
     mesh_shape,
     parse_job_args,
 )
-from elastic_train.errors import ConfigError, ElasticTrainError
+from elastic_train.errors import ConfigError, ElasticTrainError, NodeLeftError
 from elastic_train.rendezvous.config import (
     parse_rdzv_conf,
     rdzv_conf_with_defaults,
@@ -494,11 +494,21 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
                 (["-m"] if ns.module else []) + list(script), ns.hot_spare == "on",
                 ns.peer_timeout, ns.memory_tier_limit if ns.memory_tier == "on" else None)
     except SignalException as exc:
-        # The agent passed the signal to the workers, which checkpointed and exited 0.
-        # Non-zero here so that a restart policy brings a preempted node back.
-        print(f"elastic-train: stopped by {exc.sigval.name}: the workers checkpointed at the "
-              f"step they reached; rerun the same command to resume{where}", file=sys.stderr)
+        # The agent passed the signal to the workers. Non-zero here so that a restart
+        # policy brings a preempted node back.
+        left_at = getattr(exc, "node_left_at", None)
+        if left_at is not None:  # this node alone: the others hold the state and go on
+            print(f"elastic-train: stopped by {exc.sigval.name}: this node left the job at "
+                  f"step {left_at}, the other nodes go on without it; run the same command "
+                  f"to join again{where}", file=sys.stderr)
+        else:  # every node: the workers checkpointed and exited 0
+            print(f"elastic-train: stopped by {exc.sigval.name}: the workers checkpointed at "
+                  f"the step they reached; rerun the same command to resume{where}",
+                  file=sys.stderr)
         return 128 + int(exc.sigval)
+    except NodeLeftError as exc:
+        print(f"elastic-train: {exc}{where}", file=sys.stderr)
+        return exc.exit_code
     except ChildFailedError as exc:
         print(f"elastic-train: job failed: {first_failure_line(exc)}{where}", file=sys.stderr)
         return 1

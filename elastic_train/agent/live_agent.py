@@ -54,7 +54,9 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerGroup,
     WorkerState,
 )
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from elastic_train.agent.environment import agent_stopping
 from elastic_train.agent.exit_watch import ExitWatch
 from elastic_train.agent.failure_detector import TIMEOUT as DETECTOR_TIMEOUT
 from elastic_train.agent.holder_directory import HolderDirectory
@@ -72,6 +74,7 @@ from elastic_train.agent.worker_processes import (
     per_worker_contexts,
 )
 from elastic_train.config import RecoveryMode
+from elastic_train.errors import NodeLeftError
 from elastic_train.live.coordination import RESTART, Notice, Round, lost_members
 from elastic_train.live.environment import LIVE_GENERATION
 from elastic_train.live.plan import LIVE, Arrival, Plan
@@ -81,6 +84,9 @@ __all__ = ["ACROSS_NODES", "LiveOptions", "LiveRecoveryAgent", "PerWorkerProcess
            "live_agent_installed", "live_worker_env"]
 
 log = logging.getLogger(__name__)
+
+REFORMED, RESTARTED, LEFT_OUT = "reformed", "restarted", "left out"
+"""What a re-formation came to for this node (``LiveRecoveryAgent._reform``)."""
 
 
 class LiveRecoveryAgent(TorchAgent):
@@ -135,12 +141,47 @@ class LiveRecoveryAgent(TorchAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
-            return super().run(role)
+            result = super().run(role)
+        except SignalException as exc:  # what the launcher says depends on what followed
+            exc.node_left_at = self._left_at()  # type: ignore[attr-defined]
+            raise
         finally:
             self._exits.close()
             if self._node is not None:
                 self._node.close()
             self._wake.close(self._node.store if self._node is not None else None)
+        return self._never_success_by_mistake(result)
+
+    def _never_success_by_mistake(self, result: RunResult | None) -> RunResult:
+        """Only workers that all finished make a success: torch returns the last result
+        it saw when a node's restarts are spent (UNHEALTHY, read as success by its
+        launcher: exit 0 while the others train on), and None when the rendezvous closed
+        while this node waited to join."""
+        if result is None:
+            raise NodeLeftError("the rendezvous closed while this node waited to join: the "
+                                "job ended without it")
+        if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+            return result
+        if result.failures:
+            return RunResult(state=WorkerState.FAILED, failures=result.failures)
+        raise NodeLeftError(
+            f"this node's workers could not go on ({result.state.name.lower()}) and its "
+            f"--max-restarts ({self.get_worker_group().spec.max_restarts}) are spent: it "
+            "leaves the job, which goes on without it; start it again to rejoin")
+
+    def _left_at(self) -> int | None:
+        """The step this node's workers left the job at alone (the others went on)."""
+        if self._node is None:
+            return None
+        with contextlib.suppress(Exception):
+            return self._messages(self.get_worker_group()).left_at()
+        return None
+
+    def stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        """torch's own stops (its restart path, restarts spent): the workers learn that the
+        SIGTERM is their agent's, not a preemption (agent/environment.py's stop note)."""
+        with agent_stopping("restart"):
+            self.torch_stop_workers(worker_group, *args, **kwargs)
 
     def _messages(self, worker_group: WorkerGroup) -> WorkerMessages:
         """This agent's store as its workers of this incarnation use it."""
@@ -164,7 +205,8 @@ class LiveRecoveryAgent(TorchAgent):
                             "worker from the newest checkpoint", why_not)
                 self._said_why_not = True
             if isinstance(self.process_context, PerWorkerProcesses):  # never two worlds at once
-                self.process_context.close()
+                with agent_stopping("restart"):
+                    self.process_context.close()
             self._drop_plan()
             return self._exits.watch_started(self.torch_start_workers(worker_group))
         if self._node is None:
@@ -177,7 +219,8 @@ class LiveRecoveryAgent(TorchAgent):
             self._arrival(worker_group, self._holding()), round_, self._job_store(worker_group))
         if plan is None:  # a round with plain torchrun agents in it
             if isinstance(self.process_context, PerWorkerProcesses):
-                self.process_context.close()
+                with agent_stopping("restart"):
+                    self.process_context.close()
             self._drop_plan()
             return self._exits.watch_started(self.torch_start_workers(worker_group))
         return self._apply_round(worker_group, plan, raw)
@@ -236,6 +279,10 @@ class LiveRecoveryAgent(TorchAgent):
         notice = self._node.coordinator.notice() if look and self._node else None
         reported = look and messages.failed_collective(self._plan.generation)
         silent = self._node.silent() if self._node else set()
+        if reported:  # nodes signalled alone leave: neither called nor waited for
+            members = self._plan.members
+            silent |= {members[i].agent for i in messages.leaving(self._plan.generation)
+                       if i < len(members) and members[i].agent != self.address}
         if not (failed or notice or reported or silent):
             if workers.wants_spare() and messages.holding():
                 workers.start_spare()
@@ -250,17 +297,28 @@ class LiveRecoveryAgent(TorchAgent):
             self._messages(worker_group).release()
             return self.torch_monitor_workers(worker_group) if failed \
                 else RunResult(state=WorkerState.UNHEALTHY)
-        if self._reform(worker_group, workers, failed, notice, silent):
+        outcome = self._reform(worker_group, workers, failed, notice, silent)
+        if outcome == REFORMED:
+            return RunResult(state=WorkerState.HEALTHY)
+        if outcome == LEFT_OUT:  # a change of membership, not a failure: no restart spent
+            self._rejoin(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
         return RunResult(state=WorkerState.UNHEALTHY, failures={
             worker_group.workers[lr].global_rank: failure for lr, failure in failed.items()})
 
+    def _rejoin(self, worker_group: WorkerGroup) -> None:
+        """The others re-formed the world without this node (it was cut off, frozen, or too
+        slow to answer): a new rendezvous round and a start from what the world holds, as
+        torch does for a node that joins (its restarts are not spent on it)."""
+        self.torch_restart_workers(worker_group)
+
     def _reform(self, worker_group: WorkerGroup, workers: PerWorkerProcesses,
                 failed: Mapping[int, Any], notice: Notice | None,
-                silent: set[str] | frozenset[str] = frozenset()) -> bool:
+                silent: set[str] | frozenset[str] = frozenset()) -> str:
         """Re-form the world without what was lost (``silent``: members the failure
-        detector suspects, neither called nor waited for); False: this node must take
-        torch's restart path (no one holds the state, or the others went on without it)."""
+        detector suspects or that leave alone, neither called nor waited for): REFORMED;
+        RESTARTED: this node takes torch's restart path (no one holds the state);
+        LEFT_OUT: the others went on without this node, which joins again."""
         assert self._node is not None and self._node.plan is not None
         coordination = self._node.coordinator
         detected_at = time.time()
@@ -281,14 +339,14 @@ class LiveRecoveryAgent(TorchAgent):
                                       arrival, detected_at, silent)
         if outcome == RESTART:  # no member holds the state
             self._messages(worker_group).release()
-            return False
+            return RESTARTED
         plan, raw = outcome if isinstance(outcome, tuple) else (None, None)
         if plan is None or raw is None or self.address not in plan.agents:
             log.warning("the others re-formed the world without this node: it ends its "
                         "workers (their state is superseded) and joins again")
             self._messages(worker_group).release()
             workers.end_now()
-            return False
+            return LEFT_OUT
         self._adopt(worker_group, plan, raw)
         self._messages(worker_group).announce(self.address, plan, "abort")
         log.warning("the world re-formed in place as generation %d: %d workers on %d nodes "
@@ -296,7 +354,7 @@ class LiveRecoveryAgent(TorchAgent):
         if plan.lost:  # the rendezvous learns it too (torch's state: its coordinator)
             forget_nodes(worker_group.spec.rdzv_handler, lost_members(plan, base),
                          coordinator=plan.group_store == self.address)
-        return True
+        return REFORMED
 
     def _end_if_c10d_store_lost(self) -> None:
         """(A thread, when a peer fell silent on c10d: agent/store_watch.py.)"""

@@ -7,8 +7,8 @@ rendezvous/ touches one).
 The rest of the agent side calls these functions and classes, never torch's private names:
 
 - ``TorchAgent``: torch's ``LocalElasticAgent`` with its private hooks under public names
-  (``start_workers``, ``monitor_workers``, ``restart_workers``; torch's own behaviour as
-  ``torch_start_workers`` ...), for agent/live_agent.py to override;
+  (``start_workers``, ``monitor_workers``, ``restart_workers``, ``stop_workers``; torch's
+  own behaviour as ``torch_start_workers`` ...), for agent/live_agent.py to override;
 - replacements of torch globals, each a context manager that puts the original back:
   ``agent_class_replaced`` (the launcher's agent), ``start_processes_replaced`` (how the
   local agent starts its workers), ``rendezvous_store_replaced`` (the c10d backend's
@@ -55,6 +55,9 @@ REQUIRED: tuple[Private, ...] = (
             "TorchAgent (monitor_workers, torch_monitor_workers)", params=("worker_group",)),
     Private(_LOCAL, "LocalElasticAgent._restart_workers", "overridden and called by "
             "TorchAgent (restart_workers, torch_restart_workers)", params=("worker_group",)),
+    Private(_LOCAL, "LocalElasticAgent._stop_workers", "overridden and called by "
+            "TorchAgent (stop_workers, torch_stop_workers): the agent's own stops of its "
+            "workers (a restart, restarts spent), not a signal's", params=("worker_group",)),
     Private(_LOCAL, "LocalElasticAgent._rendezvous", "to join a round while the workers "
             "run (TorchAgent.rendezvous); also the name of the metric rendezvous/timing.py "
             "reads", params=("worker_group",)),
@@ -108,6 +111,9 @@ class TorchAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.restart_workers(worker_group)
 
+    def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        self.stop_workers(worker_group, *args, **kwargs)
+
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         return self.torch_start_workers(worker_group)
 
@@ -117,6 +123,9 @@ class TorchAgent(LocalElasticAgent):
     def restart_workers(self, worker_group: WorkerGroup) -> None:
         self.torch_restart_workers(worker_group)
 
+    def stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        self.torch_stop_workers(worker_group, *args, **kwargs)
+
     def torch_start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         return super()._start_workers(worker_group)
 
@@ -125,6 +134,10 @@ class TorchAgent(LocalElasticAgent):
 
     def torch_restart_workers(self, worker_group: WorkerGroup) -> None:
         super()._restart_workers(worker_group)
+
+    def torch_stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any
+                           ) -> None:
+        super()._stop_workers(worker_group, *args, **kwargs)
 
     def rendezvous(self, worker_group: WorkerGroup) -> None:
         """Join a new rendezvous round (torch's, timed by its metric)."""

@@ -22,6 +22,7 @@ from elastic_train.live.messages import (
     FAILED_COLLECTIVE_KEY,
     FINISHED_KEY,
     GENERATION_KEY,
+    LEFT_KEY,
     READY_KEY,
     RESTARTING_KEY,
     Announcement,
@@ -49,6 +50,12 @@ class WorkerMessages:
         """A worker left the training loop for good."""
         return self.store.check([FINISHED_KEY])
 
+    def left_at(self) -> int | None:
+        """The step this node's workers left the job at, alone (a SIGTERM on this node
+        only), or None."""
+        raw = local_value(self.store, LEFT_KEY)
+        return int(raw) if raw is not None else None
+
     def holding(self) -> bool:
         """The workers hold the state and train: restored, and still in the loop."""
         return self.ready() and not self.finished()
@@ -63,9 +70,21 @@ class WorkerMessages:
         return None
 
     def failed_collective(self, generation: int) -> bool:
-        """A worker saw a collective fail in ``generation`` or later."""
+        """A worker saw a collective fail in ``generation`` or later (or nodes leave)."""
+        return self._report(generation) is not None
+
+    def leaving(self, generation: int) -> set[int]:
+        """The nodes (group ranks in ``generation``) that the workers saw leave alone at a
+        step boundary of ``generation`` or later: the world re-forms without them."""
+        report = self._report(generation)
+        return {int(n) for n in report.get("leaving", ())} if report is not None else set()
+
+    def _report(self, generation: int) -> dict | None:
         raw = local_value(self.store, FAILED_COLLECTIVE_KEY)
-        return raw is not None and int(json.loads(raw)["generation"]) >= generation
+        if raw is None:
+            return None
+        report = json.loads(raw)
+        return report if int(report["generation"]) >= generation else None
 
     # ---- what the agent tells them ----------------------------------------------------------
     def announce(self, agent: str, plan: Plan, mode: str) -> None:

@@ -23,6 +23,7 @@ from multiprocessing import forkserver
 from elastic_train.agent.environment import (
     apply_environment_defaults,
     launcher_environment_defaults,
+    stop_note_file,
     worker_env_file,
 )
 
@@ -48,9 +49,10 @@ def worker_processes(method: str, nproc_per_node: str) -> Iterator[None]:
     """
     prepare_environment(nproc_per_node)
     if method != "forkserver":
-        yield
+        with stop_note_file():
+            yield
         return
-    with worker_env_file():
+    with worker_env_file(), stop_note_file():
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
         if nproc_per_node.isdigit():  # else torchrun sets OMP_NUM_THREADS, then starts it
             forkserver.ensure_running()

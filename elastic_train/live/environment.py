@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 
 __all__ = ["LIVE_GENERATION", "LIVE_RECOVERY", "LIVE_STORE", "MEMORY_TIER",
-           "RENDEZVOUS_SECONDS", "WORKER_ENV_FILE", "read_env_file"]
+           "RENDEZVOUS_SECONDS", "STOP_NOTE", "WORKER_ENV_FILE", "read_env_file",
+           "read_stop_note"]
 
 # Set by the agent for its workers (agent/environment.py). How long their rendezvous took,
 # after each one (rendezvous/timing.py, rendezvous/handler.py):
@@ -29,6 +30,11 @@ LIVE_STORE = "ELASTIC_TRAIN_LIVE_STORE"
 # of the snapshot holder of the worker's own agent (agent/snapshot_holder.py); absent when
 # there is none (--memory-tier off, plain torchrun, no agent):
 MEMORY_TIER = "ELASTIC_TRAIN_MEMORY_TIER"
+# A file the agent writes, before it stops its own workers (torch's restart path: the
+# world starts again from the newest checkpoint), with why: a SIGTERM that finds it is the
+# agent's own doing, not a preemption of the node (agent/environment.py writes it,
+# worker/preemption.py reads it). Absent while no such stop is under way:
+STOP_NOTE = "ELASTIC_TRAIN_STOP_NOTE"
 
 
 def read_env_file(path: str) -> dict[str, str]:
@@ -39,3 +45,15 @@ def read_env_file(path: str) -> dict[str, str]:
     except (OSError, ValueError):
         return {}
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def read_stop_note(path: str | None) -> str | None:
+    """Why the agent stops its workers (``STOP_NOTE``'s file), or None: no such stop.
+    Cheap enough for a signal handler (one small read)."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return f.read(512).strip() or "restart"
+    except OSError:
+        return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from elastic_train.live.plan import Plan
 
-__all__ = ["FAILED_COLLECTIVE_KEY", "FINISHED_KEY", "GENERATION_KEY", "READY_KEY",
+__all__ = ["FAILED_COLLECTIVE_KEY", "FINISHED_KEY", "GENERATION_KEY", "LEFT_KEY", "READY_KEY",
            "RESTARTING_KEY", "Announcement", "announcement_key", "store_prefix"]
 
 
@@ -33,8 +33,13 @@ FINISHED_KEY = "live/finished"
 replaced in place (the others no longer meet), so the agent restarts the group instead."""
 RESTARTING_KEY = "live/restarting"
 """Set when the agent takes torch's restart path: no new generation will be announced."""
+LEFT_KEY = "live/left"
+"""Set (to the step) when this node's workers left the job alone at a step boundary: a
+SIGTERM reached this node only, and the others went on without it."""
 FAILED_COLLECTIVE_KEY = "live/failed_collective"
-"""A worker's collective failed with no generation announced: its agent calls the others."""
+"""A worker's collective failed with no generation announced: its agent calls the others.
+JSON: ``generation``, ``rank``, ``time``, and ``leaving``: the group ranks of nodes that
+leave at this step boundary (signalled alone), re-formed without (empty: a failure)."""
 
 
 def announcement_key(generation: int) -> str:

@@ -17,6 +17,7 @@ from elastic_train.live.environment import (
     LIVE_STORE,
     MEMORY_TIER,
     RENDEZVOUS_SECONDS,
+    STOP_NOTE,
     WORKER_ENV_FILE,
     read_env_file,
 )
@@ -53,6 +54,9 @@ class WorkerEnv:
     memory_tier: str | None = None
     """JSON of the agent's snapshot holder (live/memory_tier.py's ``Endpoint``); None: no
     memory tier (--memory-tier off, plain torchrun)."""
+    stop_note: str | None = None
+    """Where the agent says that a SIGTERM is its own stop, not a preemption (``STOP_NOTE``;
+    None: plain torchrun, every SIGTERM is a preemption)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -110,4 +114,5 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         live_generation=_int(env, LIVE_GENERATION, 0),
         live_store=env.get(LIVE_STORE) or None,
         memory_tier=env.get(MEMORY_TIER) or None,
+        stop_note=env.get(STOP_NOTE) or None,
     )

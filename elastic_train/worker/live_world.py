@@ -43,6 +43,7 @@ from elastic_train.live.messages import (
     FAILED_COLLECTIVE_KEY,
     FINISHED_KEY,
     GENERATION_KEY,
+    LEFT_KEY,
     READY_KEY,
     RESTARTING_KEY,
     Announcement,
@@ -158,12 +159,24 @@ class LiveWorld:
     def _announcement(self, generation: int, store: dist.Store | None = None) -> Announcement:
         return Announcement.decode((store or self._store).get(announcement_key(generation)))
 
-    def report_failed_collective(self) -> None:
-        """Tell the agent that a collective of this generation failed (a peer may be gone)."""
+    def report_failed_collective(self, leaving: tuple[int, ...] = ()) -> None:
+        """Tell the agent that a collective of this generation failed (a peer may be gone),
+        or (``leaving``: their group ranks) that nodes leave at this step boundary: the
+        agents re-form without them, neither calling them nor waiting for them."""
         with contextlib.suppress(Exception):
             self._store.set(FAILED_COLLECTIVE_KEY, json.dumps(
-                {"generation": self.generation, "rank": self.env.rank, "time": time.time()}))
+                {"generation": self.generation, "rank": self.env.rank, "time": time.time(),
+                 "leaving": list(leaving)}))
             wake(self._agent_store)
+
+    def left(self, step: int) -> None:
+        """This node's workers leave the job alone at ``step`` (see ``LEFT_KEY``)."""
+        with contextlib.suppress(Exception):
+            self._store.set(LEFT_KEY, str(step))
+
+    def report_leaving(self, nodes: tuple[int, ...]) -> None:
+        """Nodes signalled alone leave at this step (runtime's vote): re-form without them."""
+        self.report_failed_collective(leaving=nodes)
 
     def _watch(self) -> None:
         ready_store: dist.Store | None = None

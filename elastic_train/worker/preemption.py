@@ -6,6 +6,10 @@ not a race), rank 0 writes a checkpoint, and all exit 0. A watchdog bounds the w
 by a budget chosen below the grace period: past it the process exits at once, non-zero,
 and the last good checkpoint stays.
 
+A SIGTERM is a preemption of this node unless the agent left a note that the stop is its
+own (``STOP_NOTE``: a restart from the newest checkpoint): then ``by_agent`` says why, and
+the vote treats it as a restart of the workers, never as the job's end.
+
 Until the worker holds the training state (``arm``: restored, or received from the
 others), a SIGTERM ends it at once (exit 143): it has nothing to checkpoint, and it may be
 waiting where no step boundary comes (a worker started into a world whose members all
@@ -22,6 +26,7 @@ import time
 from types import FrameType
 
 from elastic_train.errors import NodeStoppedError
+from elastic_train.live.environment import read_stop_note
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +34,17 @@ log = logging.getLogger(__name__)
 class StopRequest:
     """Turns the given signals into a flag and starts the budget watchdog on the first one."""
 
-    def __init__(self, budget_seconds: float, signals: tuple[int, ...] = (signal.SIGTERM,)):
+    def __init__(self, budget_seconds: float, signals: tuple[int, ...] = (signal.SIGTERM,),
+                 note: str | None = None):
         self.budget_seconds = budget_seconds
         self.signals = signals
+        self.note = note
+        """The agent's stop note (``STOP_NOTE``: WorkerEnv.stop_note), read when a signal
+        comes; None: every signal is a preemption."""
         self.signal_name: str | None = None
         self.received_at: float | None = None
+        self.by_agent: str | None = None
+        """Why this worker's agent stopped it itself (a restart), or None: a preemption."""
         self._previous: dict[int, object] = {}
         self._watchdog: threading.Timer | None = None
         self.armed = False
@@ -46,6 +57,15 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.received_at is not None
+
+    @property
+    def preempted(self) -> bool:
+        """A signal came, and not from the agent's own stop."""
+        return self.requested and self.by_agent is None
+
+    def seconds_since(self) -> float:
+        """Seconds since the signal came (0.0 before one)."""
+        return 0.0 if self.received_at is None else time.monotonic() - self.received_at
 
     def event_fields(self) -> dict[str, object]:
         """This rank's view of the stop, for the ``preempted`` event."""
@@ -77,6 +97,7 @@ class StopRequest:
             return
         self.received_at = time.monotonic()
         self.signal_name = signal.Signals(signum).name
+        self.by_agent = read_stop_note(self.note)
         self._watchdog = threading.Timer(self.budget_seconds, self._overrun)
         self._watchdog.daemon = True
         self._watchdog.start()

@@ -30,7 +30,7 @@ import torch
 
 from elastic_train.checkpoint.manager import CheckpointManager, Restored, Stateful
 from elastic_train.config import CheckpointConfig, RecoveryMode
-from elastic_train.errors import LiveRecoveryError
+from elastic_train.errors import LiveRecoveryError, NodeStoppedError
 from elastic_train.observe.event_schema import (
     End,
     Hang,
@@ -58,6 +58,12 @@ from elastic_train.worker.save_failure import SaveFailureStop
 from elastic_train.worker.sharded_recovery import ShardedLive
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
+LEAVE_GRACE = 1.0
+"""Seconds a SIGTERM on some nodes waits for the others before those nodes leave alone: a
+job deleted or preempted as a whole signals every node within a moment and stops with a
+checkpoint; a node signalled alone (a spot node reclaimed, a node drained) leaves at a
+step boundary while the others re-form without it."""
+
 OWN_FAILURE_GRACE = 2.0
 """Seconds a step that failed outside a collective (the loop's own error) waits for a
 re-formation announced meanwhile before it fails the worker."""
@@ -76,25 +82,61 @@ class Vote:
     stopped_nodes: tuple[int, ...] = ()
     """The nodes (group ranks) whose workers got the signal."""
     reform: bool = False
-    """A node is ready to join (live recovery): every rank re-forms the world after this
-    step, which is committed."""
+    """A node is ready to join, or some leave (live recovery): every rank that stays
+    re-forms the world after this step, which is committed."""
+    restart: bool = False
+    """An agent stops its workers itself (torch's restart path): every rank stops with a
+    checkpoint of this step, and the agents start them again from it. Not the job's end."""
+    leave: bool = False
+    """This rank's node was signalled alone: it leaves the job at this step, without a
+    checkpoint (the ranks that stay hold the state and go on)."""
+    leaving: tuple[int, ...] = ()
+    """The nodes (group ranks) that leave while the others go on."""
     save_due: bool | None = field(default=None, compare=False)
     """Rank 0's clock says ``--checkpoint-interval`` has passed: every rank saves this step
     (a sharded save needs all of them at the same step). None: not voted on."""
 
     @property
     def ends_loop(self) -> bool:
-        return self.stop or self.save_failed
+        return self.stop or self.save_failed or self.leave
 
 
 GO_ON = Vote(loss_sum=0.0, stop=False, save_failed=False)
 """The vote of a loop that ran out of steps (or ran none)."""
 
-# The vote's one all-reduce, slot by slot: the loss sum, how many ranks were signalled, the
+# The vote's one all-reduce, slot by slot: the loss sum, how many ranks were preempted, the
 # save-failure stop, how many ranks see a node ready to join, whether rank 0's checkpoint
-# interval has passed, then one slot per node (its ranks that were signalled).
+# interval has passed, how many ranks their agent stops itself, how many were preempted
+# LEAVE_GRACE ago or more, then one slot per node (its ranks that were preempted).
 (_TALLY_LOSS, _TALLY_STOPS, _TALLY_SAVE_FAILED, _TALLY_REFORMS, _TALLY_SAVE_DUE,
- _TALLY_NODES) = range(6)
+ _TALLY_AGENT_STOPS, _TALLY_RIPE, _TALLY_NODES) = range(8)
+
+
+def decide(summed: torch.Tensor | list[float], group_rank: int, nodes_in_world: int, *, live: bool
+           ) -> Vote:
+    """What the vote's tally of every rank (``summed``) says, the same on every rank
+    (``group_rank``: this rank's node; ``live``: the world re-forms in place).
+
+    An agent's own stop of its workers stops every rank with a checkpoint (a restart, not
+    the job's end). A SIGTERM on every node stops the job with a checkpoint. A SIGTERM on
+    some nodes waits ``LEAVE_GRACE`` for the rest; then those nodes leave and the others
+    re-form without them (without live recovery every rank stops with them, as torch's
+    restart path needs)."""
+    values = summed.tolist() if isinstance(summed, torch.Tensor) else list(summed)
+    nodes = tuple(node for node, v in enumerate(values[_TALLY_NODES:]) if v > 0)
+    common: dict[str, Any] = {"loss_sum": values[_TALLY_LOSS],
+                              "save_failed": values[_TALLY_SAVE_FAILED] > 0,
+                              "reform": values[_TALLY_REFORMS] > 0,
+                              "save_due": values[_TALLY_SAVE_DUE] > 0}
+    if values[_TALLY_AGENT_STOPS] > 0:
+        return Vote(stop=True, stopped_nodes=nodes, restart=True, **common)
+    ripe = values[_TALLY_RIPE] > 0
+    if nodes and (len(nodes) == nodes_in_world or (ripe and not live)):
+        return Vote(stop=True, stopped_nodes=nodes, **common)
+    if nodes and ripe:
+        leave = group_rank in nodes
+        return Vote(stop=False, leave=leave, leaving=nodes, **{**common, "reform": not leave})
+    return Vote(stop=False, **common)
 
 
 @dataclass(frozen=True)
@@ -147,12 +189,16 @@ class WorkerRuntime:
                                              memory=MemoryTierClient.from_env())
         self.save_failure = SaveFailureStop(self.checkpoints, group, self.events,
                                             env.restart_count, save_failure_option)
-        self.preemption = StopRequest(preemption_budget) \
+        self.preemption = StopRequest(preemption_budget, note=env.stop_note) \
             if preemption_budget is not None else None
         self.say = say
         self.stopped_at: int | None = None
         """The step the job stopped at (a SIGTERM), or None."""
         self.stopped_nodes: tuple[int, ...] = ()
+        self.restarting = False
+        """The stop was an agent's restart of its workers, not a preemption."""
+        self.left = False
+        """This node left the job alone at ``stopped_at`` (the others went on)."""
         self.live: LiveWorld | None = None
         """Set when this worker's world re-forms in place after a lost worker."""
         self._previous: PreviousIncarnation | None = None
@@ -479,16 +525,18 @@ class WorkerRuntime:
         """
         if self.preemption is not None and not self.preemption.armed:
             self.preemption.arm()  # a loop that never restored: it trains, so it holds it
-        stop = self.preemption is not None and self.preemption.requested
+        pre = self.preemption
+        preempted = pre is not None and pre.preempted
+        by_agent = pre is not None and pre.by_agent is not None
         save_failed = self.save_failure.vote()
         reform = self.live is not None and self.live.reform_due
         if loss_sum is None and (self.group.world_size == 1 or not self.votes_needed):
             # No collective: rank 0's reason to stop (a fenced write) cannot reach the
             # others, so it must not end rank 0's loop alone (the final save reports it).
             alone = save_failed and self.group.world_size == 1
-            vote = Vote(loss_sum=0.0, stop=stop, save_failed=alone,
-                        stopped_nodes=(self.env.group_rank,) if stop else (),
-                        reform=reform and self.group.world_size == 1,
+            vote = Vote(loss_sum=0.0, stop=preempted or by_agent, save_failed=alone,
+                        stopped_nodes=(self.env.group_rank,) if preempted else (),
+                        reform=reform and self.group.world_size == 1, restart=by_agent,
                         save_due=self.checkpoints.interval_passed()
                         if self.group.world_size == 1 else None)
         else:
@@ -496,8 +544,12 @@ class WorkerRuntime:
                                 device=self.group.device)
             if loss_sum is not None:
                 tally[_TALLY_LOSS] = loss_sum
-            if stop:
+            if preempted:
                 tally[_TALLY_STOPS] = tally[_TALLY_NODES + self.env.group_rank] = 1.0
+                if pre is not None and pre.seconds_since() >= LEAVE_GRACE:
+                    tally[_TALLY_RIPE] = 1.0
+            if by_agent:
+                tally[_TALLY_AGENT_STOPS] = 1.0
             if save_failed:
                 tally[_TALLY_SAVE_FAILED] = 1.0
             if reform:
@@ -505,14 +557,14 @@ class WorkerRuntime:
             if self.group.rank == 0 and self.checkpoints.interval_passed():
                 tally[_TALLY_SAVE_DUE] = 1.0
             summed = distributed.sum_over_ranks(self.group, tally)
-            vote = Vote(loss_sum=summed[_TALLY_LOSS], stop=summed[_TALLY_STOPS] > 0,
-                        save_failed=summed[_TALLY_SAVE_FAILED] > 0,
-                        stopped_nodes=tuple(node for node, v in
-                                            enumerate(summed[_TALLY_NODES:]) if v > 0),
-                        reform=summed[_TALLY_REFORMS] > 0,
-                        save_due=summed[_TALLY_SAVE_DUE] > 0)
+            vote = decide(summed, self.env.group_rank, self.env.group_world_size,
+                          live=self.live is not None)
         if vote.stop:
             self.stopped_nodes = vote.stopped_nodes
+            self.restarting = vote.restart
+        if vote.leaving and not vote.leave and self.live is not None:
+            # the agents re-form without them (not called, not waited for)
+            self.live.report_leaving(vote.leaving)
         return vote
 
     def save_if_due(self, step: int, objects: Mapping[str, Stateful],
@@ -539,23 +591,38 @@ class WorkerRuntime:
         """
         if self.live is not None:
             self.live.finished()
+        if vote.leave:  # this node alone: the others hold the state and go on without it
+            self.stopped_at, self.left = step, True
+            if self.live is not None:
+                self.live.left(step)
+            if objects:
+                self.checkpoints.finish()  # a save in flight ends (committed or given up)
+            signal_name = self.preemption.signal_name if self.preemption is not None else None
+            say_on_stderr(f"rank {self.group.rank}: this node was stopped alone "
+                          f"({signal_name or 'signal'}): it leaves the job at step {step}; "
+                          "the other nodes go on without it")
+            return
         if vote.save_failed or self.save_failure.agreed_after_loop():
             self.save_failure.stop(step)
         if vote.stop:
             self.stopped_at = step
+        if vote.stop and not vote.restart:
             fields = self.preemption.event_fields() if self.preemption is not None else {}
             self.events.emit(Preempted(step=step, signal=fields.get("signal"),
                                        rank_signalled=bool(fields.get("rank_signalled")),
                                        seconds_since_signal=fields.get("seconds_since_signal")))
         if objects:  # else nothing was registered to checkpoint (a loop without restore)
-            self.checkpoints.save(step, dict(objects),
-                                  reason="preemption" if vote.stop else "final", wait=True)
+            reason = ("restart" if vote.restart else "preemption") if vote.stop else "final"
+            self.checkpoints.save(step, dict(objects), reason=reason, wait=True)
             self.checkpoints.finish()
         if then is not None and not vote.stop and self.group.rank == 0:
             then()
         distributed.barrier(self.group)
         if vote.stop:
-            if self.group.rank == 0:
+            if self.group.rank == 0 and vote.restart:
+                self.say(f"an agent restarts its workers: every rank stopped at step {step} "
+                         "with a checkpoint, and starts again from it (not a preemption)")
+            elif self.group.rank == 0:
                 self.say(f"stop requested (preemption): stopped at step {step} with a "
                          "checkpoint; rerun the same command to resume")
         else:
@@ -574,8 +641,17 @@ class WorkerRuntime:
         self.publisher.close()
 
     def raise_if_node_stopped(self) -> None:
-        """After a stop: a node whose workers got no signal raises ``NodeStoppedError``."""
-        if self.stopped_at is not None and self.env.group_rank not in self.stopped_nodes:
+        """After a stop: a node whose workers got no signal, and every worker stopped for an
+        agent's restart, raises ``NodeStoppedError`` (never an exit that reads as the job's
+        end); a node that left alone does not."""
+        if self.stopped_at is None or self.left:
+            return
+        if self.restarting:
+            raise NodeStoppedError(
+                f"stopped at step {self.stopped_at} with a checkpoint: an agent restarts its "
+                "workers from it (torch's restart path); this node's agent starts its "
+                "workers again too")
+        if self.env.group_rank not in self.stopped_nodes:
             raise node_stopped(list(self.stopped_nodes), self.stopped_at)
 
 

@@ -29,6 +29,7 @@ from elastic_train.errors import ConfigError, ElasticTrainError
 from elastic_train.observe.event_schema import BatchPlan as BatchPlanEvent
 from elastic_train.observe.event_schema import Startup, Step
 from elastic_train.observe.events import EventObserver, read_events
+from elastic_train.observe.line_file import LineFile
 from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
 from elastic_train.rundir import RunDir
@@ -152,7 +153,7 @@ class Trainer:
         # Replaced after the restore by the job's policy (see _plan_batch).
         self.plan = WorldBatch("constant", config.train.batch_size, 1.0, group.world_size,
                               group.world_size)
-        self._samples_file: TextIO | None = None
+        self._samples_file: LineFile | None = None
         self._marks = {"process_start": process_start_time(), **(marks or {})}
 
     # ---- building ------------------------------------------------------------------------
@@ -264,15 +265,14 @@ class Trainer:
         (step, rank) is the one that counts)."""
         if self._samples_file is None:
             path = self.run_dir.samples_of(self.group.rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._samples_file = open(path, "a", buffering=1)
+            self._samples_file = LineFile(path, "the sample records")
             self.runtime.publisher.track(path)
         self._samples_file.write(json.dumps({
             "time": round(time.time(), 6), "step": step, "epoch": epoch,
             "offset": offset,
             "world_size": self.group.world_size, "restart": self.env.restart_count,
             "generation": self.runtime.live.generation if self.runtime.live else 0,
-            "rank": self.group.rank, "indices": indices.tolist()}) + "\n")
+            "rank": self.group.rank, "indices": indices.tolist()}))
 
     # ---- the run -------------------------------------------------------------------------
     def run(self) -> RunSummary | None:
@@ -476,8 +476,8 @@ class Trainer:
         if self._samples_file is not None:
             self._samples_file.close()
         self.events.close()
-        if self.group.rank != 0 or self.progress is None:
-            return None
+        if self.group.rank != 0 or self.progress is None or self.runtime.left:
+            return None  # a node that left alone: the others go on and sum up the run
         try:
             self.runtime.publisher.publish_now()
             events = self.run_dir.gathered_events()  # every node's, for an object store

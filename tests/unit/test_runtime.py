@@ -284,3 +284,91 @@ def test_a_world_re_formed_in_a_new_round_is_said_without_an_unknown_rank():
                                           rejoined)
     assert _recovery_line(LostMembers([1], None, "worker lost"), 2, 2, 3, rejoined).startswith(
         "live recovery: rank 1 started again, the world of 2 re-formed in place")
+
+
+def tally(nodes: int, *, preempted: tuple[int, ...] = (), ripe: int = 0, agent_stops: int = 0,
+          reform: bool = False) -> torch.Tensor:
+    """The vote's summed tally (worker/runtime.py's slots) of a world of ``nodes`` nodes."""
+    from elastic_train.worker import runtime as rt
+
+    summed = torch.zeros(rt._TALLY_NODES + nodes, dtype=torch.float64)
+    summed[rt._TALLY_LOSS] = 4.0
+    summed[rt._TALLY_STOPS] = len(preempted)
+    summed[rt._TALLY_RIPE] = ripe
+    summed[rt._TALLY_AGENT_STOPS] = agent_stops
+    summed[rt._TALLY_REFORMS] = float(reform)
+    for node in preempted:
+        summed[rt._TALLY_NODES + node] = 1.0
+    return summed
+
+
+def test_a_sigterm_on_every_node_stops_the_job_and_on_some_nodes_they_leave_alone() -> None:
+    """The decision every rank takes from the same tally (worker/runtime.decide)."""
+    from elastic_train.worker.runtime import decide
+
+    # every node signalled: the job stops with a checkpoint, at once
+    whole = decide(tally(3, preempted=(0, 1, 2)), 1, 3, live=True)
+    assert (whole.stop, whole.leave, whole.stopped_nodes, whole.restart) == \
+        (True, False, (0, 1, 2), False)
+    # some nodes signalled within LEAVE_GRACE: nothing yet (the others may be signalled next)
+    assert not decide(tally(3, preempted=(2,)), 0, 3, live=True).ends_loop
+    # LEAVE_GRACE later: node 2 leaves alone, the others re-form without it and go on
+    stays = decide(tally(3, preempted=(2,), ripe=1), 0, 3, live=True)
+    assert (stays.stop, stays.leave, stays.reform, stays.leaving, stays.ends_loop) == \
+        (False, False, True, (2,), False)
+    goes = decide(tally(3, preempted=(2,), ripe=1), 2, 3, live=True)
+    assert (goes.stop, goes.leave, goes.reform, goes.ends_loop) == (False, True, False, True)
+    # without live recovery every rank stops with the signalled ones (torch's restart path)
+    old = decide(tally(3, preempted=(2,), ripe=1), 0, 3, live=False)
+    assert (old.stop, old.stopped_nodes, old.leave) == (True, (2,), False)
+    # an agent's own stop of its workers: every rank stops with a checkpoint, a restart
+    restart = decide(tally(3, agent_stops=1), 0, 3, live=True)
+    assert (restart.stop, restart.restart, restart.stopped_nodes) == (True, True, ())
+
+
+def test_the_agents_own_sigterm_is_a_restart_not_a_preemption(tmp_path: Path) -> None:
+    """A SIGTERM that finds the agent's stop note (torch's restart path) stops at a step
+    boundary with a checkpoint, says so, writes no ``preempted`` event, and ends the worker
+    with NodeStoppedError (never an exit that reads as the job's end: in the fault campaign
+    the workers took such a stop for a preemption and the whole job ended)."""
+    run_dir = RunDir(tmp_path / "run").prepare()
+    note = tmp_path / "note"
+    note.write_text("restart")
+    objects = {"model": nn.Linear(4, 2)}
+    said: list[str] = []
+    runtime = make_runtime(run_dir, said=said, stop_note=str(note)).install()
+    try:
+        runtime.start(total_steps=10)
+        runtime.restore(objects)
+        assert not runtime.vote().ends_loop  # a step: the worker holds the state
+        os.kill(os.getpid(), signal.SIGTERM)
+        vote = runtime.vote()
+        assert (vote.stop, vote.restart, vote.ends_loop) == (True, True, True)
+        runtime.end(3, objects, vote)
+    finally:
+        runtime.close()
+    assert [(e["step"], e["reason"]) for e in of(run_dir, "checkpoint_saved")] == \
+        [(3, "restart")]
+    assert "preempted" not in kinds(run_dir) and "end" not in kinds(run_dir)
+    assert said == ["an agent restarts its workers: every rank stopped at step 3 with a "
+                    "checkpoint, and starts again from it (not a preemption)"]
+    with pytest.raises(NodeStoppedError, match="an agent restarts its workers from it"):
+        runtime.raise_if_node_stopped()
+
+
+def test_a_node_that_leaves_alone_writes_nothing_and_exits_quietly(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    run_dir = RunDir(tmp_path / "run").prepare()
+    objects = {"model": nn.Linear(4, 2)}
+    runtime = make_runtime(run_dir, group_rank=2, group_world_size=3).install()
+    try:
+        runtime.start(total_steps=10)
+        runtime.restore(objects)
+        leave = Vote(0.0, False, False, leave=True, leaving=(2,))
+        runtime.end(4, objects, leave)  # no barrier: the others are not there
+    finally:
+        runtime.close()
+    assert runtime.left and runtime.stopped_at == 4
+    assert not of(run_dir, "checkpoint_saved") and "preempted" not in kinds(run_dir)
+    assert "this node was stopped alone" in capfd.readouterr().err
+    runtime.raise_if_node_stopped()  # leaving is no failure of this node
