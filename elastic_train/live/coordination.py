@@ -50,6 +50,10 @@ PREFIX = "elastic_train/agents"
 NOTICE_KEY = f"{PREFIX}/notice"
 RESTART = b"restart"
 """What a coordinator publishes instead of a plan when no member holds the state."""
+REDIRECT = b"follow:"
+"""What a coordinator that yielded to a rival publishes as its plan: the rival's notice
+after it. Members that arrived at the one that yielded follow the rival instead (a member
+called by both may have kept either call: one key holds the newest)."""
 UNCOMMITTED = b"uncommitted"
 """A coordinator's outcome when it could not reach the rendezvous' store to commit."""
 STOCK_ROUND = b"stock"
@@ -310,11 +314,10 @@ class Coordinator:
             rival = self.notice()
             if rival is not None and rival.generation >= generation \
                     and rival.coordinator < self.address:
-                # two agents called at once: the one with the smaller id coordinates
-                outcome = self.follow(rival.coordinator, rival.generation, arrival)
-                if isinstance(outcome, tuple):
-                    self.node_store.set(plan_key(generation), outcome[1])
-                return outcome
+                # two agents called at once: the one with the smaller id coordinates, and
+                # the members that arrived here follow it too
+                self.node_store.set(plan_key(generation), REDIRECT + rival.encode().encode())
+                return self.follow(rival.coordinator, rival.generation, arrival)
             time.sleep(0.005)
         plan = plan_reformation(base, arrivals, self.address, generation=generation,
                                 detected_at=detected_at)
@@ -343,12 +346,19 @@ class Coordinator:
         committed now (another's plan if another agent, or a newer world, was first)."""
         return self.bounded(lambda: commit_plan(job_store, COMMITTED_KEY, self.plan_raw, raw))
 
-    def follow(self, coordinator: str, generation: int, arrival: Arrival) -> Outcome:
-        """Arrive at ``coordinator``'s call; its plan (RESTART, or None if it is gone)."""
+    def follow(self, coordinator: str, generation: int, arrival: Arrival,
+               hops: int = REFORM_ATTEMPTS) -> Outcome:
+        """Arrive at ``coordinator``'s call; its plan (RESTART, or None if it is gone). A
+        coordinator that yielded to a rival sends this member on to the rival."""
         if not self.peers.tell(coordinator, arrival_key(generation, self.address),
                                arrival.encode()):
             return None
         raw = self.peers.read(coordinator, plan_key(generation), self.follow_seconds)
+        if raw is not None and raw.startswith(REDIRECT):
+            if hops <= 0:
+                return None
+            winner = Notice.decode(raw[len(REDIRECT):])
+            return self.follow(winner.coordinator, winner.generation, arrival, hops - 1)
         if raw is None or raw == RESTART:
             return raw
         return Plan.decode(raw), raw

@@ -222,3 +222,43 @@ def test_a_member_that_takes_the_call_and_falls_silent_is_not_waited_for() -> No
     assert outcome[0].agents == (A, B)
     assert took < 2.0, took  # not the 30 s arrive_seconds
     assert isinstance(results.get(B), tuple) and results[B][0] == outcome[0]
+
+
+def test_a_member_that_kept_the_call_of_the_coordinator_that_yields_follows_the_winner() -> None:
+    """B and C call at once; A keeps C's call (the newer one in its single notice key), C
+    yields to B (the smaller id). A is sent on to B and arrives there: the world re-forms
+    with all three at once, not without A after B's arrival timeout (found by the fault
+    campaign: a worker kill re-formed the world without a node, 10 s later)."""
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B, C)
+    for c in coordinators.values():
+        c.arrive_seconds = c.follow_seconds = 5.0
+    results: dict[str, Outcome] = {}
+
+    def wait_for_notice(by: str) -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            raw = coordination.local_value(network.store(A), coordination.NOTICE_KEY)
+            if raw is not None and Notice.decode(raw).coordinator == by:
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"no call from {by}")
+
+    started = time.monotonic()
+    b = threading.Thread(target=lambda: results.__setitem__(B, reform(coordinators[B], job)))
+    b.start()
+    wait_for_notice(B)
+    c = threading.Thread(target=lambda: results.__setitem__(C, reform(coordinators[C], job)))
+    c.start()
+    wait_for_notice(C)  # A's key now holds C's call only
+    a = threading.Thread(target=member, args=(coordinators[A], job, results))
+    a.start()
+    for thread in (a, b, c):
+        thread.join(10)
+    took = time.monotonic() - started
+    plans = {who: out[0] for who, out in results.items() if isinstance(out, tuple)}
+    assert set(plans) == {A, B, C}, results
+    assert {p.agents for p in plans.values()} == {(A, B, C)}
+    assert {p.generation for p in plans.values()} == {base.generation + 1}  # B's, at once
+    assert took < 2.0, took  # not B's 5 s arrival timeout
