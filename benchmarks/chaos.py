@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", type=Path, default=None,
                         help="a schedule file (seed-N.json) to run again")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep every campaign's node logs and run dir (a failed "
+                             "campaign's are always kept)")
     args = parser.parse_args(argv)
     reason = nb.unavailable_reason()
     if reason is not None:
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"seed {schedule.seed}: {v}")
                 print(f"[chaos] VIOLATION seed {schedule.seed}: {v}", flush=True)
             print(f"[chaos] logs kept in {workdir}", flush=True)
-        else:
+        elif not args.keep_logs:
             subprocess.run(["rm", "-rf", str(workdir)], check=False)
     elapsed = time.monotonic() - started
     text = "\n".join([

@@ -26,6 +26,7 @@ last ``publish_seconds`` of events with it, never a checkpoint.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -167,11 +168,19 @@ class RunDir:
                 raise type(exc)(f"run directory {self.location}: {exc}") from None
         probe_dir = self.root if self.remote else self.root / CHECKPOINTS_DIR
         probe_path = self.root / f".write-probe-{os.getpid()}"
+        existed = probe_dir.is_dir()
         try:
             probe_dir.mkdir(parents=True, exist_ok=True)
             probe_path.write_bytes(b"ok")
             probe_path.unlink()
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and existed:
+                # Writable, only full for now (a fault a job lives through): checkpoints
+                # fail and are retried, the logs keep their lines until there is space.
+                probe_path.unlink(missing_ok=True)
+                log.warning("run directory %s is full (%s): checkpoints fail until there "
+                            "is space (--on-save-failure decides)", self.root, exc.strerror)
+                return self
             what = "local directory" if self.remote else "run directory"
             fix = ("choose another with --storage-opt local_dir=... or "
                    f"${LOCAL_DIR_ENV}") if self.remote else "choose another --run-dir"

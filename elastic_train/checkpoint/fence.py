@@ -22,7 +22,10 @@ it, and it works the same for every rendezvous backend and for ``ElasticSession`
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
 import re
 import socket
@@ -35,6 +38,12 @@ from elastic_train.checkpoint.storage import fsync_dir
 from elastic_train.errors import CheckpointFencedError
 
 _EPOCH_FILE = re.compile(r"^epoch-(\d{8,})$")
+FULL = (errno.ENOSPC, errno.EDQUOT)
+NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV)
+CLAIM_WAIT_SECONDS = 120.0
+"""How long a world waits for a full run directory to take its claim (a restore or a
+re-formation then waits; training goes on as soon as there is space)."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,19 +84,54 @@ class WriterFence:
             return None
 
     def _create(self, epoch: int, record: bytes) -> bool:
-        """Create epoch ``epoch``'s claim unless it exists (``O_EXCL``); whether it did."""
+        """Create epoch ``epoch``'s claim unless it exists; whether it did. The record is
+        written to a file of its own first and then linked to its name (``link`` fails on
+        an existing name, as ``O_EXCL`` does): a claim appears whole or not at all. (An
+        empty claim, left by a write that a full disk refused, read as a world started
+        from scratch and superseded every checkpoint: found by the fault campaign.)"""
         self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"epoch-{epoch:08d}"
+        staged = self.directory / f".epoch-{epoch:08d}.{os.getpid()}.{time.monotonic_ns()}"
         try:
-            fd = os.open(self.directory / f"epoch-{epoch:08d}",
-                         os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                if os.write(fd, record) != len(record):
+                    raise OSError(errno.ENOSPC, "short write of a writer claim")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(staged, final)
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if exc.errno not in NO_LINKS:
+                    raise
+                return self._create_in_place(final, record)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(staged)
+        fsync_dir(self.directory)
+        return True
+
+    @staticmethod
+    def _create_in_place(final: Path, record: bytes) -> bool:
+        """``O_EXCL`` where the file system has no hard links; a claim that could not be
+        written whole is removed again."""
+        try:
+            fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
         try:
-            os.write(fd, record)
+            if os.write(fd, record) != len(record):
+                raise OSError(errno.ENOSPC, "short write of a writer claim")
             os.fsync(fd)
-        finally:
+        except OSError:
             os.close(fd)
-        fsync_dir(self.directory)
+            with contextlib.suppress(OSError):
+                os.unlink(final)
+            raise
+        os.close(fd)
         return True
 
     # ---- claims --------------------------------------------------------------------------
@@ -115,9 +159,22 @@ class WriterFence:
         record = json.dumps({"resumed_from": resumed_from, "run_id": run_id,
                              "host": socket.gethostname(), "pid": os.getpid(),
                              "time": time.time()}).encode()
-        while not self._create(epoch, record):
-            epoch += 1  # another world claimed it first: the next one is ours
-        return epoch
+        deadline = time.monotonic() + CLAIM_WAIT_SECONDS
+        said = False
+        while True:
+            try:
+                if self._create(epoch, record):
+                    return epoch
+                epoch += 1  # another world claimed it first: the next one is ours
+            except OSError as exc:
+                if exc.errno not in FULL or time.monotonic() >= deadline:
+                    raise
+                if not said:
+                    log.warning("the run directory is full (%s): this world waits up to "
+                                "%.0f s for space to claim its writer epoch", exc.strerror,
+                                CLAIM_WAIT_SECONDS)
+                    said = True
+                time.sleep(0.5)
 
     def check(self, epoch: int, step: int) -> None:
         """Before committing checkpoint ``step`` of ``epoch``: raise when a newer world owns

@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from elastic_train.observe.event_schema import Event, EventRecord
+from elastic_train.observe.line_file import LineFile
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class EventLog:
         self.path = Path(path)
         self.enabled = enabled
         self.observers = tuple(observers)
-        self._file: TextIO | None = None
+        self._file: LineFile | None = None
         self._lock = threading.Lock()  # the checkpoint writer thread emits too
         self._failed: set[int] = set()  # observers (by index) whose failure was logged
 
@@ -65,11 +66,8 @@ class EventLog:
         record = {"time": round(time.time(), 6), "event": str(event), **fields}
         if self.enabled:
             if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", buffering=1)
-                if _ends_torn(self.path):
-                    self._file.write("\n")  # a crash tore the last line: start a fresh one
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._file = LineFile(self.path, "the event log")
+            self._file.write(json.dumps(record, separators=(",", ":")))
         for index, observer in enumerate(self.observers):
             try:
                 observer(record)
@@ -86,18 +84,8 @@ class EventLog:
 
     def _close(self) -> None:
         if self._file is not None:
-            self._file.flush()
             self._file.close()
             self._file = None
-
-
-def _ends_torn(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(0, 2)
-        if f.tell() == 0:
-            return False
-        f.seek(-1, 2)
-        return f.read(1) != b"\n"
 
 
 def read_events(path: Path) -> Iterator[dict[str, Any]]:

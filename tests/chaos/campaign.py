@@ -273,7 +273,7 @@ class Campaign:
     def _fill_disk(self) -> Path:
         """Fill the run dir's file system (a tmpfs the campaign mounted) with a ballast."""
         ballast = self.run_dir / "ballast"
-        with open(ballast, "wb") as f, contextlib.suppress(OSError):
+        with open(ballast, "wb", buffering=0) as f, contextlib.suppress(OSError):
             chunk = b"\0" * (1 << 20)
             while True:
                 f.write(chunk)
