@@ -92,6 +92,12 @@ def fsdp_comms(run: Callable[..., None]) -> tuple[Any, Any]:
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+    # torch 2.13 named FSDP2's collectives all_gather_single and reduce_scatter_single; 2.11
+    # and 2.12 have them, with the same arguments, as all_gather_into_tensor and
+    # reduce_scatter_tensor (docs/torch-versions.md)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
     def allocate(size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
@@ -102,8 +108,8 @@ def fsdp_comms(run: Callable[..., None]) -> tuple[Any, Any]:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, async_op: bool = False) -> None:
-            run(lambda: dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                               async_op=True), output_tensor, input_tensor)
+            run(lambda: all_gather(output_tensor, input_tensor, group=group, async_op=True),
+                output_tensor, input_tensor)
 
     class WaitedReduceScatter(ReduceScatter):
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device
@@ -112,9 +118,8 @@ def fsdp_comms(run: Callable[..., None]) -> tuple[Any, Any]:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
-            run(lambda: dist.reduce_scatter_single(output_tensor, input_tensor, op=op,
-                                                   group=group, async_op=True),
-                output_tensor, input_tensor)
+            run(lambda: reduce_scatter(output_tensor, input_tensor, op=op, group=group,
+                                       async_op=True), output_tensor, input_tensor)
 
     return WaitedAllGather(), WaitedReduceScatter()
 
