@@ -61,6 +61,14 @@ def counts(cases: list[Outcome]) -> str:
     return text
 
 
+def ended(code: int, junit: Path) -> str:
+    """What to add when pytest did not end by itself (killed at the script's limit)."""
+    if code in (124, 137) or (code and not junit.is_file()):
+        return (f"; pytest did not finish (exit {code}: killed at the time limit, a hang; "
+                "the counts are of the tests it had reported)")
+    return ""
+
+
 def git(*args: str) -> str:
     return subprocess.run(["git", *args], capture_output=True, text=True,
                           check=False).stdout.strip()
@@ -76,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--proof-list", type=Path, required=True)
     p.add_argument("--proof-seconds", type=int, required=True)
     p.add_argument("--evidence", type=Path, required=True)
+    p.add_argument("--unit-code", type=int, default=0)
+    p.add_argument("--proof-code", type=int, default=0)
     p.add_argument("--unit-log", type=Path)
     p.add_argument("--proof-log", type=Path)
     args = p.parse_args(argv)
@@ -93,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
            f"- commit: {commit} ({tree})",
            f"- machine: {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}, "
            f"Python {platform.python_version()}, no GPU used (gloo on CPU)",
-           f"- unit suite (tests/unit, not extended): {counts(unit)} in {args.unit_seconds} s",
-           f"- proofs: {counts(proofs)} in {args.proof_seconds} s", "",
+           f"- unit suite (tests/unit, not extended): {counts(unit)} in {args.unit_seconds} s"
+           f"{ended(args.unit_code, args.unit)}",
+           f"- proofs: {counts(proofs)} in {args.proof_seconds} s"
+           f"{ended(args.proof_code, args.proofs)}", "",
            "| proof | test | result | seconds |", "|---|---|---|---|"]
     for proof, test_id in listed:
         matched = [c for c in proofs if c.test_id == test_id
@@ -106,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                                    and case.result != "passed" else "")
             out.append(f"| {proof} | `{case.test_id}` | {shown.replace('|', '/')} | "
                        f"{case.seconds:.1f} |")
+    skipped: dict[str, int] = {}
+    for case in (c for c in [*unit, *proofs] if c.result == "skipped"):
+        skipped[case.message] = skipped.get(case.message, 0) + 1
+    if skipped:
+        out += ["", "Skipped, and why:", ""]
+        out += [f"- {n} x {reason.replace('|', '/')}" for reason, n in sorted(skipped.items())]
     failed = [c for c in unit if c.result in ("failed", "error")]
     if failed:
         out += ["", "Unit tests that failed:", ""]

@@ -96,22 +96,28 @@ for entry in "${PROOFS[@]}"; do
   printf '%s\n' "$entry" >> "$work/proofs.txt"
 done
 
+# A hard limit around each pytest: a deadlock that holds the GIL (a gloo group's destructor
+# joining its thread) also stops pytest-timeout's thread, and would hang the run for good.
 status=0
 start=$(date +%s)
-"$PY" -m pytest tests/unit -m "not extended" -p no:cacheprovider -q \
-  --junitxml="$work/unit.xml" > "$work/unit.log" 2>&1 || status=1
+unit_code=0
+timeout --signal=KILL "${COMPAT_UNIT_LIMIT:-1200}" "$PY" -m pytest tests/unit -m "not extended" \
+  -p no:cacheprovider -q --junitxml="$work/unit.xml" > "$work/unit.log" 2>&1 || unit_code=$?
 tail -n 3 "$work/unit.log"
 unit_end=$(date +%s)
-"$PY" -m pytest "${ids[@]}" -p no:cacheprovider -q \
-  --junitxml="$work/proofs.xml" > "$work/proofs.log" 2>&1 || status=1
+proof_code=0
+timeout --signal=KILL "${COMPAT_PROOF_LIMIT:-2400}" "$PY" -m pytest "${ids[@]}" \
+  -p no:cacheprovider -q --junitxml="$work/proofs.xml" > "$work/proofs.log" 2>&1 || proof_code=$?
 tail -n 3 "$work/proofs.log"
 end=$(date +%s)
+[ "$unit_code" = 0 ] && [ "$proof_code" = 0 ] || status=1
+cp "$work/unit.log" "$work/proofs.log" "$VENV/"  # the last run's pytest output, for a look
 
 mkdir -p "$RESULTS"
 out="$RESULTS/compat-${torch_version}-$(date -u +%F).md"
 "$PY" scripts/compat_report.py --spec "$SPEC" --torch "$torch_version" \
-  --unit "$work/unit.xml" --unit-seconds $((unit_end - start)) \
-  --proofs "$work/proofs.xml" --proof-list "$work/proofs.txt" \
+  --unit "$work/unit.xml" --unit-seconds $((unit_end - start)) --unit-code "$unit_code" \
+  --proofs "$work/proofs.xml" --proof-list "$work/proofs.txt" --proof-code "$proof_code" \
   --proof-seconds $((end - unit_end)) --evidence "$VENV/install-evidence.txt" \
   --unit-log "$work/unit.log" --proof-log "$work/proofs.log" > "$out"
 echo "results: $out"
