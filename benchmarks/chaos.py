@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -85,6 +86,9 @@ def run_campaign(setup: Setup, schedule: Schedule, workdir: Path, disk: bool
             campaign.start()
             campaign.run(schedule)
             campaign.finish()
+            events = campaign.run_dir / "events.jsonl"
+            if events.exists():  # the run dir may be a small disk, gone after the campaign
+                shutil.copy(events, workdir / "events.jsonl")
             return campaign.records, [str(v) for v in campaign.violations], campaign.job_died
     finally:
         bed.close()
@@ -171,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "README.md").write_text(text)
     (out / "faults.jsonl").write_text("".join(
         json.dumps({"kind": r.fault.kind, "host": r.fault.host, "hold": r.fault.hold,
-                    "next_step": r.next_step, "full_world": r.full_world,
-                    "notes": r.notes}) + "\n" for r in all_records))
+                    "at": r.at, "healed_at": r.healed_at, "next_step": r.next_step,
+                    "full_world": r.full_world, "notes": r.notes}) + "\n"
+        for r in all_records))
     print(text)
     return 1 if failures else 0
 

@@ -83,6 +83,15 @@ class NodeStoppedError(ElasticTrainError):
     exit_code = 75  # EX_TEMPFAIL: the agent restarts the workers
 
 
+class NodeLeftAloneError(NodeStoppedError):
+    """This node was signalled alone (a spot node reclaimed, a node drained): its workers
+    left the job at a step boundary while the others go on. Exit 143, as a process ended by
+    SIGTERM: never 0, which an agent that was not signalled itself (a worker signalled
+    directly) would read as the job done."""
+
+    exit_code = 143
+
+
 class NodeLeftError(ElasticTrainError):
     """This node's agent cannot go on in the job (its restarts are spent while the others
     train on, or the rendezvous closed while it waited to join): it leaves with this line

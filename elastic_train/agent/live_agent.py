@@ -96,7 +96,9 @@ class LiveRecoveryAgent(TorchAgent):
     def __init__(self, *args: Any, options: LiveOptions | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.options = options or LiveOptions()
-        self._live_left = self.get_worker_group().spec.max_restarts
+        self._max_restarts = self.get_worker_group().spec.max_restarts
+        """--max-restarts as given (torch's spec counts this node's rejoins too)."""
+        self._live_left = self._max_restarts
         self._node: LiveNode | None = None
         """Its store, id, coordinator and failure detector, once live (agent/live_node.py)."""
         self._said_why_not = False
@@ -166,7 +168,7 @@ class LiveRecoveryAgent(TorchAgent):
             return RunResult(state=WorkerState.FAILED, failures=result.failures)
         raise NodeLeftError(
             f"this node's workers could not go on ({result.state.name.lower()}) and its "
-            f"--max-restarts ({self.get_worker_group().spec.max_restarts}) are spent: it "
+            f"--max-restarts ({self._max_restarts}) are spent: it "
             "leaves the job, which goes on without it; start it again to rejoin")
 
     def _left_at(self) -> int | None:
@@ -291,6 +293,12 @@ class LiveRecoveryAgent(TorchAgent):
                 return self.torch_monitor_workers(worker_group)
         why_not = "the live restarts of --max-restarts are spent" \
             if failed and self._live_left <= 0 else messages.why_not_live()
+        if why_not is not None and not failed and self._joining(messages):
+            # This node's workers were started into a world the others hold: they go on to
+            # receive the state in the next generation (worker/runtime.recover), nothing to
+            # restart (a restart here cost a join interrupted by a fault 15-20 s and a
+            # --max-restarts each time: found by the fault campaign).
+            why_not = None
         if why_not is not None:
             log.warning("the world cannot re-form in place (%s): every worker of this node "
                         "restarts from the newest checkpoint", why_not)
@@ -306,10 +314,20 @@ class LiveRecoveryAgent(TorchAgent):
         return RunResult(state=WorkerState.UNHEALTHY, failures={
             worker_group.workers[lr].global_rank: failure for lr, failure in failed.items()})
 
+    def _joining(self, messages: WorkerMessages) -> bool:
+        """Whether this node's workers are joining a world the other members hold (started
+        into a live plan that keeps none of them, and not holding the state yet)."""
+        plan = self._plan
+        return plan is not None and plan.kind == LIVE and not plan.keeps(self.address) \
+            and not messages.ready() and not messages.finished()
+
     def _rejoin(self, worker_group: WorkerGroup) -> None:
         """The others re-formed the world without this node (it was cut off, frozen, or too
         slow to answer): a new rendezvous round and a start from what the world holds, as
-        torch does for a node that joins (its restarts are not spent on it)."""
+        torch does for a node that joins. Its workers are a new incarnation (their restart
+        count, and so their keys in this agent's store, are new: the old ones say that no
+        generation comes), but none of --max-restarts is spent on it."""
+        worker_group.spec.max_restarts += 1  # the count goes up, what is left stays
         self.torch_restart_workers(worker_group)
 
     def _reform(self, worker_group: WorkerGroup, workers: PerWorkerProcesses,

@@ -16,6 +16,7 @@ def rendezvous_failure_line(exc: BaseException, *, backend: str, endpoint: str, 
     """
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousClosedError,
+        RendezvousConnectionError,
         RendezvousTimeoutError,
     )
 
@@ -23,6 +24,11 @@ def rendezvous_failure_line(exc: BaseException, *, backend: str, endpoint: str, 
     if isinstance(exc, RendezvousClosedError):
         return (f"{where} is closed: a job with this --rdzv-id already finished; use a new "
                 "--rdzv-id")
+    if isinstance(exc, RendezvousConnectionError) and backend == "c10d":
+        return (f"{where}: the store refused this node (the node that held it was lost, "
+                "or started again with a new store): a c10d job cannot outlive its store's "
+                "node; restart the job (it resumes from its newest checkpoint), or run it "
+                "on --rdzv-backend etcd-v3, which survives the loss of any node")
     if isinstance(exc, RendezvousTimeoutError):
         return (f"{where} did not complete within its join_timeout: start the other nodes "
                 f"(--nnodes {nnodes}) or lower the minimum")

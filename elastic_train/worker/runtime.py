@@ -30,7 +30,7 @@ import torch
 
 from elastic_train.checkpoint.manager import CheckpointManager, Restored, Stateful
 from elastic_train.config import CheckpointConfig, RecoveryMode
-from elastic_train.errors import LiveRecoveryError, NodeStoppedError
+from elastic_train.errors import LiveRecoveryError, NodeLeftAloneError, NodeStoppedError
 from elastic_train.observe.event_schema import (
     End,
     Hang,
@@ -597,10 +597,6 @@ class WorkerRuntime:
                 self.live.left(step)
             if objects:
                 self.checkpoints.finish()  # a save in flight ends (committed or given up)
-            signal_name = self.preemption.signal_name if self.preemption is not None else None
-            say_on_stderr(f"rank {self.group.rank}: this node was stopped alone "
-                          f"({signal_name or 'signal'}): it leaves the job at step {step}; "
-                          "the other nodes go on without it")
             return
         if vote.save_failed or self.save_failure.agreed_after_loop():
             self.save_failure.stop(step)
@@ -643,9 +639,14 @@ class WorkerRuntime:
     def raise_if_node_stopped(self) -> None:
         """After a stop: a node whose workers got no signal, and every worker stopped for an
         agent's restart, raises ``NodeStoppedError`` (never an exit that reads as the job's
-        end); a node that left alone does not."""
-        if self.stopped_at is None or self.left:
+        end); a node that left alone raises ``NodeLeftAloneError`` (exit 143)."""
+        if self.stopped_at is None:
             return
+        if self.left:
+            signal_name = self.preemption.signal_name if self.preemption is not None else None
+            raise NodeLeftAloneError(
+                f"this node was stopped alone ({signal_name or 'a signal'}): it left the job "
+                f"at step {self.stopped_at}, and the other nodes go on without it")
         if self.restarting:
             raise NodeStoppedError(
                 f"stopped at step {self.stopped_at} with a checkpoint: an agent restarts its "

@@ -19,11 +19,14 @@ The protocol around the loop (start, restore, the per-step vote, stops, the fina
 checkpoint) is the worker runtime's (worker/runtime.py), the same as the built-in trainer's.
 Preemption: SIGTERM on any rank becomes a vote that every rank sees at the same step (one
 small all-reduce per step), rank 0 checkpoints that step, ``step()`` returns True, and the
-workers exit 0 after ``close()``, within the budget. On several nodes only the signalled
-node's workers exit 0; the others' ``close()`` raises ``NodeStoppedError`` (a non-zero
-exit), so that their agents re-form the world without it. ``on_save_failure="stop"`` makes
-a checkpoint that rank 0 cannot write stop every rank at the same step: ``step()`` raises
-``CheckpointStopError`` with one line saying what to fix.
+workers exit 0 after ``close()``, within the budget: a SIGTERM on every node. On some
+nodes only (a spot node reclaimed) those nodes leave alone once ``LEAVE_GRACE`` passed:
+their ``step()`` returns True and their ``close()`` raises ``NodeLeftAloneError`` (exit
+143), while the others' ``step()`` re-forms the world without them and their loop goes
+on. Without live recovery every rank stops with them, and the others' ``close()`` raises
+``NodeStoppedError`` (a non-zero exit), so that their agents start them again.
+``on_save_failure="stop"`` makes a checkpoint that rank 0 cannot write stop every rank at
+the same step: ``step()`` raises ``CheckpointStopError`` with one line saying what to fix.
 
 Live recovery (under ``elastic-train run SCRIPT``, agent/live_agent.py): a worker or node lost,
 or a node joining, re-forms the world in place, with the same protocol as the built-in

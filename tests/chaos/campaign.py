@@ -308,6 +308,7 @@ class Campaign:
             self._pause(fault.hold, index)
             host.thaw()
         elif kind == "worker_kill":
+            full_before = self._world_at(time.time()) == self.setup.full_world
             pid = self._worker_pid(name, int(fault.detail.get("local_rank", 0)))
             if pid is None:
                 record.notes.append("no worker to kill")
@@ -367,7 +368,41 @@ class Campaign:
                        HEAL_BOUND, index)
         self._pause(fault.gap, index)
         self._measure(record)
+        if kind == "worker_kill" and full_before:
+            shrunk = [e["world_size"] for e in self._steps() if e["time"] > record.at
+                      and e["world_size"] < self.setup.full_world]
+            if shrunk:
+                self.violations.append(Violation(
+                    "a worker kill shrank the world", index,
+                    f"steps at world {sorted(set(shrunk))} after it"))
         return record
+
+    def _world_at(self, at: float) -> int | None:
+        """The world size of the last step before ``at``."""
+        before = [e for e in self._steps() if e["time"] <= at]
+        return before[-1]["world_size"] if before else None
+
+    def run_to_end(self, timeout: float) -> list[int | None]:
+        """A campaign of a job with an end (``setup.steps``): wait for every agent to end by
+        itself; each must exit 0 (then the same audits as ``finish``)."""
+        deadline = time.monotonic() + timeout
+        self._ended = True
+        codes = []
+        for agent in self.agents.values():
+            try:
+                agent.code = agent.node.proc.wait(
+                    timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.violations.append(Violation(f"the job did not end within {timeout:g} s",
+                                                 None, agent.node.log_path.name))
+                agent.node.stop()
+            codes.append(agent.code)
+            if agent.code != 0:
+                self.violations.append(Violation("an agent did not end with 0 at the job's "
+                                                 "end", None, f"{agent.node.log_path.name}: "
+                                                 f"exit {agent.code}"))
+        self._audit()
+        return codes
 
     def _leave_checked(self, agent: Agent, index: int) -> None:
         """A node SIGTERMed alone leaves: its agent ends, non-zero, within the budget."""
@@ -402,7 +437,8 @@ class Campaign:
             if KINDS[fault.kind].needs_etcd and self.bed.etcd is None:
                 continue
             self.apply(index, fault)
-            print(f"[chaos] fault {index}: {fault.describe()}: next step "
+            print(f"[chaos] fault {index} at {self.records[-1].at:.3f}: {fault.describe()}: "
+                  "next step "
                   f"{_s(self.records[-1].next_step)}, full world "
                   f"{_s(self.records[-1].full_world)}", flush=True)
             if stop_on_violation and self.violations:
@@ -459,6 +495,11 @@ class Campaign:
                 self.violations.append(Violation(
                     "an agent did not end with 143 on the final SIGTERM", None,
                     f"{agent.node.log_path.name}: exit {agent.code}"))
+        self._audit()
+        return codes
+
+    def _audit(self) -> None:
+        """No process left on a node host, every checkpoint verifies, each sample once."""
         for name in self.setup.names:
             left = leftovers(self.bed.host(name), within=15.0)
             if left:
@@ -469,7 +510,6 @@ class Campaign:
             self.violations.append(Violation("a checkpoint does not verify", None, bad))
         for problem in audit_samples(self.run_dir, self.setup.loop, BUILTIN_SAMPLES):
             self.violations.append(Violation("sample audit", None, problem))
-        return codes
 
     # ---- footprints and reports --------------------------------------------------------------
     @staticmethod

@@ -349,6 +349,39 @@ def test_c10d_the_stores_host_cut_off_ends_the_other_node_with_one_line(
     assert ended < 20, ended
 
 
+def test_c10d_the_stores_host_killed_ends_the_other_node_with_one_line(
+        netbed: Factory, tmp_path: Path) -> None:
+    """The store's host killed (every process) and its agent started again: the store the
+    job met in is gone, and the new one knows nothing of it. The other node ends within
+    seconds, exit 1, its last line saying what happened and what to use instead, and no
+    Python traceback (before: a RendezvousConnectionError's page)."""
+    bed = netbed(["node-a", "node-b"])
+    store = bed.host("node-a")
+    run_dir = tmp_path / "run"
+    job = [*JOB, "--batch-policy", "scale-lr", "--metrics-port", "0"]
+    nodes = [hosts.start_node(h, run_dir, [*hosts.c10d(store, h, "store-killed",
+                                                       conf=SLOW_HEARTBEATS), *job])
+             for h in (store, bed.host("node-b"))]
+    log = EventLog(run_dir)
+    try:
+        hosts.wait_for_step(log, world=2, min_step=5, timeout=TIMEOUT, nodes=nodes)
+        killed_at = store.kill()
+        assert hosts.wait_all(nodes[1:], 60) == [1], hosts.report(nodes)
+        ended = time.time() - killed_at
+        left = nothing_left(bed.host("node-b"), within=5.0)
+        assert left == [], left
+        out = nodes[1].output()
+        last = nodes[1].lines()[-1][1].decode()
+        assert last.startswith("elastic-train: error: rendezvous 'store-killed' (c10d at "
+                               f"{store.ip}:29400): the store refused this node"), out[-3000:]
+        assert "--rdzv-backend etcd-v3" in last
+        assert "Traceback (most recent call last)" not in out
+    finally:
+        for node in nodes:
+            node.stop()
+    assert ended < 45, ended
+
+
 def test_a_worker_killed_on_another_host_ends_bitwise_equal_to_a_run_never_killed(
         netbed: Factory, tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
     """The world size returns at once: node-b's worker (rank 1) is SIGKILLed on its host, its

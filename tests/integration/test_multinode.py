@@ -323,11 +323,12 @@ def test_etcd_v3_a_plain_torchrun_node_joins_through_the_restart_path(
 
 def test_etcd_v3_a_preempted_node_leaves_and_the_other_goes_on(tmp_path: Path,
                                                                etcd_v3: EtcdServer) -> None:
-    """SIGTERM to one node's agent, as Kubernetes evicting its pod: every rank stops at one
-    step and rank 0 checkpoints; the preempted node exits 143 within the preemption budget;
-    the other node's workers exit 75, so that their agent re-forms the world without it
-    (exit 0 would end the job there: torch's agent closes the rendezvous, the operator
-    marks the job succeeded) and trains to the end from that checkpoint, losing no step."""
+    """SIGTERM to one node's agent only, as Kubernetes evicting its pod (a spot node
+    reclaimed, a node drained): that node leaves at a step boundary (LEAVE_GRACE after the
+    signal, no other node having been signalled), its agent exits 143 within the preemption
+    budget and says so; the other node re-forms the world in place without it (its worker
+    keeps its process and its state: no checkpoint written or loaded for the leave), takes
+    over rank 0, and trains to the end. The job is not stopped: no ``preempted`` event."""
     command = harness.readme_command("elastic-train run", "--rdzv-backend etcd-v3")
     run_dir = tmp_path / "run"
     job = [*JOB, "--task-opt", "pace_world_1=0.02"]  # no node joins later: no need to wait
@@ -335,25 +336,29 @@ def test_etcd_v3_a_preempted_node_leaves_and_the_other_goes_on(tmp_path: Path,
                          tmp_path.name, FAST_V3, job) for name in ("node-a", "node-b")]
     try:
         nodes[0].wait_for_event(step_at(2, min_step=12), TIMEOUT)
-        preempted = node_hosting_rank0(*nodes)  # it also writes the checkpoint, then leaves
+        preempted = node_hosting_rank0(*nodes)  # it writes the event log, then leaves
         survivor = nodes[1] if preempted is nodes[0] else nodes[0]
+        kept = set(harness.workers_of(survivor.proc.pid).values())
         signalled = time.monotonic()
         os.kill(preempted.proc.pid, signal.SIGTERM)
         assert preempted.wait(TIMEOUT) == 143, preempted.report()
         stopped_in = time.monotonic() - signalled
+        survivor.wait_for_event(step_at(1), TIMEOUT)
+        assert set(harness.workers_of(survivor.proc.pid).values()) == kept
         assert survivor.wait(TIMEOUT) == 0, survivor.report()
     finally:
         for node in nodes:
             node.stop()
     assert stopped_in < 25, f"the preempted node took {stopped_in:.1f}s to exit"
     assert "Unable to shutdown process" not in preempted.output()  # no SIGKILL needed
+    last = preempted.output().strip().splitlines()[-1]
+    assert re.search(r"^elastic-train: stopped by SIGTERM: this node left the job at step "
+                     r"\d+, the other nodes go on without it", last), last
     events = list(read_events(run_dir / EVENTS_FILE))
-    (stop,) = [e["step"] for e in events if e["event"] == "preempted"]
+    assert not [e for e in events if e["event"] in ("preempted", "checkpoint_loaded")]
     assert [(e["step"], e["reason"]) for e in events if e["event"] == "checkpoint_saved"
-            and e["reason"] != "periodic"] == [(stop, "preemption"), (STEPS, "final")]
-    assert [e["step"] for e in events if e["event"] == "checkpoint_loaded"][-1] == stop
+            and e["reason"] != "periodic"] == [(STEPS, "final")]
     assert worlds_of(events)[-2:] == [2, 1]
-    assert "restarts to go on without them" in survivor.output()
     assert_each_sample_once_in_order(run_dir)
 
 

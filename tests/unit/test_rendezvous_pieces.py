@@ -377,6 +377,13 @@ def test_failure_lines_of_rendezvous_errors() -> None:
         "rendezvous 'job' (etcd-v3 at etcd:2379) did not complete within its join_timeout: "
         "start the other nodes (--nnodes 2:4) or lower the minimum")
     assert rendezvous_failure_line(OSError("port in use"), **where) is None
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    refused = rendezvous_failure_line(RendezvousConnectionError("C++ text"),
+                                      **{**where, "backend": "c10d"})
+    assert refused is not None and refused.startswith(
+        "rendezvous 'job' (c10d at etcd:2379): the store refused this node") \
+        and "--rdzv-backend etcd-v3" in refused
 
 
 def test_the_agents_rendezvous_time_reaches_the_next_workers(

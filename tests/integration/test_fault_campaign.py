@@ -1,0 +1,157 @@
+"""Faults in sequence across 3 hosts (tests/chaos: a seeded schedule, the campaign on the
+netbed, invariants checked from outside the framework), and the regression replays of what
+campaigns found.
+
+Default suite: one short seeded campaign of the faults that broke the job in sequence (a
+killed host, a frozen one, a worker killed, a node SIGTERMed alone, an agent frozen, a
+cable pulled), and the replays that are quick. ``make test-extended``: longer campaigns on
+both backends, a hand-written ``ElasticSession`` loop, fsdp, and the worker-kill campaign
+whose final weights must equal an uninterrupted run's bit for bit. The soak with its table:
+``benchmarks/chaos.py``.
+
+Every campaign asserts: after every fault some node trains within a bound, after every heal
+the world is full again within a bound, no agent ends by itself (least of all with 0), the
+final SIGTERM ends every agent with 143, each sample once per epoch (the loop's own
+records), every checkpoint verifies, and nothing is left on any host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests import netbed as nb
+from tests.chaos.campaign import Campaign, FaultRecord, Setup, small_disk
+from tests.chaos.schedule import Fault, Schedule, make_schedule
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+Factory = Callable[..., nb.Netbed]
+SEED = int(os.environ.get("ET_CAMPAIGN_SEED", "11"))
+
+
+def campaign(netbed: Factory, tmp_path: Path, setup: Setup, schedule: Schedule,
+             disk: bool = False) -> Campaign:
+    """Run ``schedule`` on a fresh bed; the campaign (its violations, records), ended by
+    the final SIGTERM."""
+    bed = netbed(setup.names, etcd=setup.backend == "etcd-v3")
+    with small_disk(tmp_path / "run") if disk else contextlib.nullcontext():
+        run = Campaign(bed, setup, tmp_path)
+        run.start()
+        run.run(schedule)
+        run.finish()
+    return run
+
+
+def assert_clean(run: Campaign) -> None:
+    assert not run.violations, "\n".join(map(str, run.violations)) + "\n" + run.report_nodes()
+
+
+def of_kind(run: Campaign, kind: str) -> list[FaultRecord]:
+    return [r for r in run.records if r.fault.kind == kind]
+
+
+def show(run: Campaign) -> None:
+    for r in run.records:
+        print(f"fault {r.index}: {r.fault.describe()}: next step {r.next_step}, full world "
+              f"{r.full_world}")
+
+
+def test_a_short_seeded_campaign_of_faults_in_sequence_breaks_nothing(
+        netbed: Factory, tmp_path: Path) -> None:
+    kinds = ["host_kill", "freeze", "worker_kill", "node_sigterm", "agent_freeze", "cable"]
+    setup = Setup()
+    schedule = make_schedule(SEED, 6, setup.names, kinds, hold=(3.0, 6.0), gap=(0.0, 2.0))
+    run = campaign(netbed, tmp_path, setup, schedule)
+    show(run)
+    assert_clean(run)
+    for record in of_kind(run, "host_kill") + of_kind(run, "worker_kill"):
+        assert record.next_step is not None and record.next_step < 5.0, record
+
+
+# ---- the replays of what campaigns found ------------------------------------------------
+
+def test_replay_a_node_killed_after_an_earlier_re_formation_costs_no_arrival_timeout(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found on main: the coordinator kept a connection to each member's store from an
+    earlier call; a killed member's store then "took" the next call (a set is never
+    answered), and the coordinator waited its 10 s arrival timeout for the dead node."""
+    faults = (Fault("host_kill", "node-b", 4.0, 2.0, True), Fault("host_kill", "node-c",
+                                                                 4.0, 2.0, True),
+              Fault("host_kill", "node-b", 4.0, 2.0, True))
+    run = campaign(netbed, tmp_path, Setup(), Schedule(101, faults))
+    show(run)
+    assert_clean(run)
+    assert all(r.next_step is not None and r.next_step < 5.0 for r in run.records), \
+        [(r.index, r.next_step) for r in run.records]
+
+
+@pytest.mark.extended
+def test_replay_a_frozen_node_whose_lease_expires_later_ends_nothing(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found on main: node C frozen 7-13 s; the world re-formed without it in 1.5 s, then
+    its etcd lease (10 s) expired and both survivors took torch's restart path; its SIGTERM
+    read as a preemption, every rank stopped and the job ended."""
+    faults = (Fault("freeze", "node-c", 13.0, 3.0, True), Fault("cable", "node-b", 12.0, 3.0,
+                                                                True))
+    run = campaign(netbed, tmp_path, Setup(), Schedule(102, faults))
+    show(run)
+    assert_clean(run)
+
+
+@pytest.mark.extended
+def test_replay_a_full_disk_then_faults_ends_nothing(netbed: Factory, tmp_path: Path) -> None:
+    """Found on main: a full run dir crashed the workers (the event log, the sample
+    records), and a writer claim written then was left empty: every checkpoint read as
+    superseded, none verified, and the job died."""
+    faults = (Fault("disk_full", "node-b", 10.0, 2.0, True),
+              Fault("kill_while_joining", "node-a", 5.0, 2.0, True, {"join_kill_after": 1.5}),
+              Fault("disk_full", "node-c", 8.0, 2.0, True))
+    run = campaign(netbed, tmp_path, Setup(), Schedule(103, faults), disk=True)
+    show(run)
+    assert_clean(run)
+
+
+@pytest.mark.extended
+def test_a_campaign_of_worker_kills_ends_bitwise_equal_to_a_run_never_killed(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Worker kills only, the job run to its end: the world never shrinks, and the final
+    weights equal, bit for bit, those of the same job on the same hosts never killed."""
+    setup = Setup(steps=400, extra=("--checkpoint-every", "50"))
+    reference = Campaign(netbed(setup.names, etcd=True), setup, tmp_path / "reference")
+    reference.start()
+    assert reference.run_to_end(600) == [0, 0, 0]
+    assert_clean(reference)
+    schedule = make_schedule(SEED, 5, setup.names, ["worker_kill"], hold=(1.0, 2.0),
+                             gap=(1.0, 4.0))
+    run = Campaign(netbed(setup.names, etcd=True), setup, tmp_path / "killed")
+    run.start()
+    run.run(schedule)
+    assert run.run_to_end(600) == [0, 0, 0]
+    show(run)
+    assert_clean(run)
+    assert harness.final_digest(run.run_dir) == harness.final_digest(reference.run_dir)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("backend,loop,parallelism", [
+    ("etcd-v3", "builtin", "ddp"), ("etcd-v3", "session", "ddp"),
+    ("etcd-v3", "builtin", "fsdp"), ("c10d", "builtin", "ddp"), ("c10d", "session", "ddp"),
+])
+def test_a_longer_campaign_breaks_nothing(netbed: Factory, tmp_path: Path, backend: str,
+                                          loop: str, parallelism: str) -> None:
+    setup = Setup(backend=backend, loop=loop, parallelism=parallelism)
+    kinds = ["host_kill", "cable", "freeze", "worker_kill", "agent_freeze", "one_way",
+             "slow_link", "node_sigterm", "kill_while_joining"]
+    if backend == "etcd-v3":
+        kinds += ["etcd_kill", "etcd_cable"]
+    protected = [setup.names[0]] if backend == "c10d" else []
+    schedule = make_schedule(SEED, 12, setup.names, kinds, protected=protected)
+    run = campaign(netbed, tmp_path, setup, schedule)
+    show(run)
+    assert_clean(run)
