@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from tests import netbed as nb  # noqa: E402
 from tests.chaos.campaign import Campaign, FaultRecord, Setup, small_disk  # noqa: E402
-from tests.chaos.schedule import KINDS, Schedule, make_schedule  # noqa: E402
+from tests.chaos.schedule import KINDS, Fault, Schedule, make_schedule  # noqa: E402
 
 ETCD_KINDS = list(KINDS)
 C10D_KINDS = [k for k in KINDS if not KINDS[k].needs_etcd]
@@ -135,51 +135,79 @@ def main(argv: list[str] | None = None) -> int:
             count = min(args.per_campaign, args.faults - i * args.per_campaign)
             schedules.append(make_schedule(args.seed + i, count, setup.names, kinds,
                                            nproc=setup.nproc, protected=protected))
-    all_records: list[FaultRecord] = []
-    failures: list[str] = []
-    deaths = 0
-    started = time.monotonic()
+    failures = 0
     for schedule in schedules:
         print(f"[chaos] campaign seed {schedule.seed}: {len(schedule.faults)} faults",
               flush=True)
         workdir = Path(f"/tmp/chaos-{schedule.seed}-{int(time.time())}")
+        began = time.monotonic()
         records, violations, died = run_campaign(
             setup, schedule, workdir, disk=any(f.kind == "disk_full" for f in schedule.faults))
-        all_records.extend(records)
-        deaths += died
+        with open(out / "faults.jsonl", "a") as f:
+            for r in records:
+                f.write(json.dumps({
+                    "seed": schedule.seed, "index": r.index, "kind": r.fault.kind,
+                    "host": r.fault.host, "hold": r.fault.hold, "at": r.at,
+                    "healed_at": r.healed_at, "next_step": r.next_step,
+                    "full_world": r.full_world, "notes": r.notes}) + "\n")
+        with open(out / "campaigns.jsonl", "a") as f:
+            f.write(json.dumps({
+                "seed": schedule.seed, "faults": len(records), "died": died,
+                "violations": violations, "minutes": round((time.monotonic() - began) / 60, 2),
+                "commit": commit, "date": stamp, "machine": platform.node(),
+                "command": "python benchmarks/chaos.py " + " ".join(argv or sys.argv[1:])})
+                + "\n")
+        failures += len(violations)
         if violations:
             (out / f"seed-{schedule.seed}.json").write_text(schedule.encode())
             for v in violations:
-                failures.append(f"seed {schedule.seed}: {v}")
                 print(f"[chaos] VIOLATION seed {schedule.seed}: {v}", flush=True)
             print(f"[chaos] logs kept in {workdir}", flush=True)
         elif not args.keep_logs:
             subprocess.run(["rm", "-rf", str(workdir)], check=False)
-    elapsed = time.monotonic() - started
-    text = "\n".join([
-        f"# Fault campaign: {args.backend}, {args.loop} loop, {args.parallelism}",
+        text = summary(out, f"{args.backend}, {args.loop} loop, {args.parallelism}")
+        (out / "README.md").write_text(text)
+    print((out / "README.md").read_text())
+    return 1 if failures else 0
+
+
+def summary(out: Path, title: str) -> str:
+    """The results file of every campaign run into ``out`` so far (a soak may be several
+    invocations, each appending its campaigns)."""
+    campaigns = [json.loads(line) for line in (out / "campaigns.jsonl").read_text()
+                 .splitlines() if line]
+    faults = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()
+              if line]
+    records = [FaultRecord(f["index"], Fault(f["kind"], f["host"], f["hold"], 0.0, False),
+                           f["at"], f["healed_at"], f["next_step"], f["full_world"])
+               for f in faults]
+    violations = [f"seed {c['seed']}: {v}" for c in campaigns for v in c["violations"]]
+    commands = sorted({c["command"] for c in campaigns})
+    return "\n".join([
+        f"# Fault campaign: {title}",
         "",
-        f"- command: `python benchmarks/chaos.py {' '.join(argv or sys.argv[1:])}`",
-        f"- commit {commit}, {stamp}, {platform.node()}, {platform.processor() or 'cpu'}, "
-        f"{len(schedules)} campaign(s), seeds {[s.seed for s in schedules]}, "
-        f"{len(all_records)} faults, {elapsed / 60:.1f} min",
-        f"- job deaths {deaths}, violations {len(failures)}",
+        *[f"- command: `{c}`" for c in commands],
+        f"- commits {sorted({c['commit'] for c in campaigns})}, dates "
+        f"{sorted({c['date'] for c in campaigns})}, machine "
+        f"{sorted({c['machine'] for c in campaigns})}; 3 node hosts + etcd's, each a network "
+        "namespace (tests/netbed.py)",
+        f"- {len(campaigns)} campaign(s), seeds {[c['seed'] for c in campaigns]}, "
+        f"{len(records)} faults, {sum(c['minutes'] for c in campaigns):.0f} min",
+        f"- job deaths {sum(1 for c in campaigns if c['died'])}, violations {len(violations)} "
+        "(silent exits, wedges, sample errors, unverified checkpoints, leaks: all counted "
+        "there)",
         "",
-        table(all_records),
+        table(records),
+        "",
+        "fault -> next step: from the fault to the end of the first step that started after "
+        "it; heal -> full world: from the heal (a killed or SIGTERMed host's agent started "
+        "again) to the first step at the full world. Unmeasured: the next fault came first.",
         "",
         "## Violations",
         "",
-        *([f"- {f}" for f in failures] or ["none"]),
+        *([f"- {v}" for v in violations] or ["none"]),
         "",
     ])
-    (out / "README.md").write_text(text)
-    (out / "faults.jsonl").write_text("".join(
-        json.dumps({"kind": r.fault.kind, "host": r.fault.host, "hold": r.fault.hold,
-                    "at": r.at, "healed_at": r.healed_at, "next_step": r.next_step,
-                    "full_world": r.full_world, "notes": r.notes}) + "\n"
-        for r in all_records))
-    print(text)
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -25,10 +25,18 @@ live/coordination.py):
 
 It falls back to torch's restart path, unchanged, when live recovery cannot help: no worker
 holds the state anymore, the world had not restored its state yet or had left the training
-loop, the others re-formed the world without this node, the job asked for
-``--recovery restart``, or the job spans nodes on a backend other than c10d or etcd-v3.
-Restarts of failed workers in place are bounded by ``--max-restarts`` like group restarts,
-so a worker that fails again and again ends in the restart path, then the job's failure.
+loop, the job asked for ``--recovery restart``, or the job spans nodes on a backend other
+than c10d or etcd-v3. Restarts of failed workers in place are bounded by ``--max-restarts``
+like group restarts, so a worker that fails again and again ends in the restart path, then
+the job's failure. Changes of membership spend none of them: the others re-formed the world
+without this node (it was cut off or frozen): it ends its workers and joins a new round, as
+a node that joins; a node joining when a peer is lost goes on into the next generation.
+
+Every stop of the workers is told apart: torch's own stops (its restart path) leave a note
+that makes the workers' SIGTERM a restart, not a preemption (agent/environment.py's
+``agent_stopping``); a SIGTERM to the agent is a preemption of this node, which leaves alone
+when the other nodes were not signalled (worker/runtime.decide). The agent never ends as if
+the job were done unless its workers all finished (``NodeLeftError`` otherwise).
 
 This module holds torch's hooks (through agent/torch_seams.py's ``TorchAgent``) and the
 translation between plans and torch's worker group. The agent's store, id, coordinator and
