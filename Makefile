@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-extended test-fast test-compat lint setup clean
+.PHONY: demo test test-extended test-fast test-compat soak lint setup clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ test-fast: setup
 ## of its own (.venv-compat/): make test-compat TORCH=torch==2.14.1 (docs/torch-versions.md).
 test-compat:
 	bash scripts/test-compat.sh "$(TORCH)"
+
+## Faults in sequence across 3 hosts (network namespaces: root), and a table of what they
+## cost: make soak ARGS="--backend etcd-v3 --faults 60 --seed 1" (benchmarks/chaos.py).
+soak: setup
+	bash scripts/install-test-deps.sh
+	$(BIN)/python benchmarks/chaos.py $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check elastic_train tests examples scripts benchmarks deploy
