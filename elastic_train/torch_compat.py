@@ -26,7 +26,7 @@ import ast
 import os
 import re
 import sys
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from elastic_train.errors import ElasticTrainError
@@ -173,7 +173,7 @@ def check_at_launch() -> None:
     set_for_workers(CHECKED, torch.__version__)
 
 
-def check_in_worker(rank: int, environ: MutableMapping[str, str] | None = None) -> None:
+def check_in_worker(rank: int, environ: Mapping[str, str] | None = None) -> None:
     """A worker's check of its own seam, once per process and skipped where its launcher
     checked this torch; the notice from rank 0 only. Raises ``TorchUnsupportedError``."""
     global _checked_here
