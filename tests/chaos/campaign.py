@@ -419,14 +419,16 @@ class Campaign:
             self.violations.append(Violation("a node SIGTERMed alone exited 0", index,
                                              agent.node.log_path.name))
 
-    def _measure(self, record: FaultRecord) -> None:
+    def _measure(self, record: FaultRecord, until: float = float("inf")) -> None:
+        """The record's two figures, from steps that came before ``until`` (the next fault:
+        what comes after it is that fault's, and the figure stays unmeasured)."""
         step = self._step_started_after(record.at)
-        if step is not None:
-            record.next_step = step["time"] - record.at
+        record.next_step = step["time"] - record.at \
+            if step is not None and step["time"] < until else None
         if record.healed_at is not None:
             full = self._step_started_after(record.healed_at, self.setup.full_world)
-            if full is not None:
-                record.full_world = full["time"] - record.healed_at
+            record.full_world = full["time"] - record.healed_at \
+                if full is not None and full["time"] < until else None
 
     # ---- the whole campaign ----------------------------------------------------------------
     def run(self, schedule: Schedule, stop_on_violation: bool = False) -> None:
@@ -446,15 +448,9 @@ class Campaign:
         self._bound_checks()
 
     def _bound_checks(self) -> None:
-        """Every fault was followed by a step within NEXT_STEP_BOUND, and the last heal by
-        the full world within HEAL_BOUND (a later step event may have come meanwhile)."""
-        for record in self.records:
-            if record.next_step is None or record.full_world is None:
-                self._measure(record)  # a step may have come since
-            if record.next_step is None or record.next_step > NEXT_STEP_BOUND:
-                self.violations.append(Violation(
-                    f"no step started within {NEXT_STEP_BOUND:g} s of the fault (a wedge)",
-                    record.index, record.fault.describe()))
+        """The last heal was followed by the full world within HEAL_BOUND, and every fault
+        by a step within NEXT_STEP_BOUND; then each record's figures, from the steps before
+        the next fault."""
         if self.records and not self.job_died:
             last = self.records[-1]
             healed = last.healed_at or last.at
@@ -463,6 +459,13 @@ class Campaign:
                 self.violations.append(Violation(
                     f"the world was not full again within {HEAL_BOUND:g} s of the last heal",
                     last.index, last.fault.describe()))
+        for record, after in itertools.zip_longest(self.records, self.records[1:]):
+            step = self._step_started_after(record.at)  # whatever came in between
+            if step is None or step["time"] - record.at > NEXT_STEP_BOUND:
+                self.violations.append(Violation(
+                    f"no step started within {NEXT_STEP_BOUND:g} s of the fault (a wedge)",
+                    record.index, record.fault.describe()))
+            self._measure(record, after.at if after is not None else float("inf"))
 
     def finish(self) -> dict[int, int | None]:
         """SIGTERM every agent at once (the job deleted); their exit codes. Each must end
