@@ -114,7 +114,8 @@ def build_handler(kv: KV, options: EtcdV3Options, run_id: str, min_nodes: int,
     lease = SharedLease(kv, options.state_ttl)
     backend = EtcdV3RendezvousBackend(kv, run_id, options.key_prefix, lease)
     store = EtcdStore(kv, f"{options.key_prefix}/{run_id}/store/", lease,
-                      timedelta(seconds=options.read_timeout))
+                      timedelta(seconds=options.read_timeout),
+                      retry_seconds=options.connect_timeout)
     timeout = RendezvousTimeout(
         join=timedelta(seconds=options.join_timeout),
         last_call=timedelta(seconds=options.last_call_timeout),

@@ -101,7 +101,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._lease = NodeLease(kv, options.lease_ttl)
         self._job_lease = SharedLease(kv, options.state_ttl)
         self._store = EtcdStore(kv, self.keys.store, self._job_lease,
-                                timedelta(seconds=options.read_timeout))
+                                timedelta(seconds=options.read_timeout),
+                                retry_seconds=options.connect_timeout)
         self._outage = Outage(kv.endpoint, options.lease_ttl)
         self.world: World | None = None
         self._monitors: list[Watch] = []

@@ -12,13 +12,17 @@ carries the shared lease, so a finished job's keys expire with its state.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from elastic_train.rendezvous.client import KV, KeyValue
 from elastic_train.rendezvous.lease import SharedLease
+from elastic_train.rendezvous.outage import retry_unreachable
+
+T = TypeVar("T")
 
 _FIRST_POLL = 0.01
 _MAX_POLL = 0.1
@@ -32,26 +36,40 @@ class EtcdStore(dist.Store):
     """A c10d store whose keys live in etcd under ``prefix``."""
 
     def __init__(self, kv: KV, prefix: str, lease: SharedLease,
-                 timeout: timedelta = timedelta(seconds=60)) -> None:
+                 timeout: timedelta = timedelta(seconds=60), retry_seconds: float = 0.0
+                 ) -> None:
         super().__init__()  # the pybind trampoline needs it
         self._kv = kv
         self._lease = lease
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.retry_seconds = retry_seconds
+        """How long an operation retries an etcd that does not answer (--rdzv-conf
+        connect_timeout): a rendezvous or a re-formation under way when etcd restarts waits
+        for it instead of failing the agent (found by the fault campaign: every agent ended
+        when etcd was killed while a node joined)."""
         self.set_timeout(timeout)
+
+    def _retried(self, fn: Callable[[], T]) -> T:
+        return retry_unreachable(fn, self.retry_seconds) if self.retry_seconds > 0 else fn()
 
     def _key(self, key: str) -> str:
         return self.prefix + key
 
     # ---- writes --------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
-        self._lease.write(lambda lease: self._kv.put(self._key(key), _bytes(value), lease))
+        self._retried(lambda: self._lease.write(
+            lambda lease: self._kv.put(self._key(key), _bytes(value), lease)))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         items = [(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)]
-        self._lease.write(lambda lease: self._kv.put_many(items, lease))
+        self._retried(lambda: self._lease.write(lambda lease: self._kv.put_many(items, lease)))
 
     def add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the integer at ``key`` (absent: 0); return the new value."""
+        """Add ``amount`` to the integer at ``key`` (absent: 0); return the new value. (A
+        swap that etcd applied but whose answer was lost is retried as a new add.)"""
+        return self._retried(lambda: self._add(key, amount))
+
+    def _add(self, key: str, amount: int) -> int:
         full = self._key(key)
         current = self._kv.get(full)
         while True:
@@ -70,7 +88,12 @@ class EtcdStore(dist.Store):
     def compare_set(self, key: str, expected_value: str | bytes,
                     desired_value: str | bytes) -> bytes:
         """c10d semantics: set if the value is ``expected`` (or absent and ``expected`` is
-        empty); return the value now held (``expected`` if absent and not set)."""
+        empty); return the value now held (``expected`` if absent and not set). Retried
+        whole: a swap applied whose answer was lost reads back as the desired value."""
+        return self._retried(lambda: self._compare_set(key, expected_value, desired_value))
+
+    def _compare_set(self, key: str, expected_value: str | bytes,
+                     desired_value: str | bytes) -> bytes:
         full, expected, desired = self._key(key), _bytes(expected_value), _bytes(desired_value)
         while True:
             current = self._kv.get(full)
@@ -88,7 +111,7 @@ class EtcdStore(dist.Store):
                 return desired
 
     def delete_key(self, key: str) -> bool:
-        return self._kv.delete(self._key(key))
+        return self._retried(lambda: self._kv.delete(self._key(key)))
 
     # ---- reads ---------------------------------------------------------------------------
     def _wait_for(self, keys: Sequence[str], timeout: timedelta | None) -> dict[str, bytes]:
@@ -97,7 +120,7 @@ class EtcdStore(dist.Store):
         full = [self._key(k) for k in keys]
         delay = _FIRST_POLL
         while True:
-            found = self._kv.get_many(full)
+            found = self._retried(lambda: self._kv.get_many(full))
             if len(found) == len(full):
                 return {k: found[f].value for k, f in zip(keys, full, strict=True)}
             remaining = deadline - time.monotonic()
@@ -121,7 +144,7 @@ class EtcdStore(dist.Store):
 
     def check(self, keys: Sequence[str]) -> bool:
         full = [self._key(k) for k in keys]
-        return len(self._kv.get_many(full)) == len(full)
+        return len(self._retried(lambda: self._kv.get_many(full))) == len(full)
 
     def num_keys(self) -> int:
-        return self._kv.count_prefix(self.prefix)
+        return self._retried(lambda: self._kv.count_prefix(self.prefix))

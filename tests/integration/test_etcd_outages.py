@@ -184,3 +184,38 @@ def test_a_dead_jobs_rendezvous_blocks_no_new_job(tmp_path: Path, etcd_v3: EtcdS
            f"end, the dead one's id {timings['dead']:.1f} s"
     request.node.user_properties.append(("measured", line))
     print(line)
+
+
+def test_the_rendezvous_store_waits_for_a_restarting_etcd(own_etcd: EtcdServer) -> None:
+    """The agents' shared store (rank assignment, the round's master address, the job's
+    plan, the exit barrier) waits for an etcd that restarts, up to connect_timeout, instead
+    of failing the agent (found by the fault campaign: etcd killed while a node joined, and
+    every agent of the job ended with EtcdUnreachableError)."""
+    from datetime import timedelta
+
+    from elastic_train.rendezvous.lease import SharedLease
+    from elastic_train.rendezvous.store import EtcdStore
+
+    kv = connect(EtcdV3Options.parse(own_etcd.endpoint, {}))
+    store = EtcdStore(kv, "/outage-store", SharedLease(kv, 60), timedelta(seconds=10),
+                      retry_seconds=30)
+    store.set("before", b"1")
+    own_etcd.kill()
+    import threading
+
+    results: list[object] = []
+    started = time.monotonic()
+    calls = threading.Thread(target=lambda: results.extend([
+        store.compare_set("plan", b"", b"generation 7"), store.add("barrier", 1),
+        store.get("before"), time.monotonic() - started]))
+    calls.start()
+    time.sleep(1.5)  # the outage
+    own_etcd.restart()  # on this thread: the server lives as long as it (PR_SET_PDEATHSIG)
+    calls.join(60)
+    assert results[:3] == [b"generation 7", 1, b"1"], results
+    assert 1.0 < float(results[3]) < 30  # type: ignore[arg-type]
+    impatient = EtcdStore(kv, "/outage-store", SharedLease(kv, 60), timedelta(seconds=10))
+    own_etcd.kill()
+    with pytest.raises(Exception, match="cannot reach etcd"):  # without retries: at once
+        impatient.get("before")
+    own_etcd.restart()
