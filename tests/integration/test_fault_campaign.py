@@ -118,6 +118,20 @@ def test_replay_a_full_disk_then_faults_ends_nothing(netbed: Factory, tmp_path: 
 
 
 @pytest.mark.extended
+def test_replay_etcd_killed_while_a_node_joins_ends_nothing(netbed: Factory,
+                                                           tmp_path: Path) -> None:
+    """Found by seed 6 (a hand-written ElasticSession loop): etcd killed while a killed
+    host's new agent joined; torch's rank assignment read the round's store in etcd, and
+    every agent of the job ended with EtcdUnreachableError."""
+    faults = (Fault("host_kill", "node-c", 4.0, 0.0, False),
+              Fault("etcd_kill", "etcd", 12.0, 2.0, True),
+              Fault("kill_while_joining", "node-b", 6.0, 2.0, True, {"join_kill_after": 2.0}))
+    run = campaign(netbed, tmp_path, Setup(loop="session"), Schedule(106, faults))
+    show(run)
+    assert_clean(run)
+
+
+@pytest.mark.extended
 def test_a_campaign_of_worker_kills_ends_bitwise_equal_to_a_run_never_killed(
         netbed: Factory, tmp_path: Path) -> None:
     """Worker kills only, the job run to its end: the world never shrinks, and the final
