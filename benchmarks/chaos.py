@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests import netbed as nb  # noqa: E402
-from tests.chaos.campaign import Campaign, FaultRecord, Setup, small_disk  # noqa: E402
+from tests.chaos.campaign import Campaign, FaultRecord, Setup  # noqa: E402
+from tests.chaos.disk import small_disk  # noqa: E402
 from tests.chaos.schedule import KINDS, Fault, Schedule, make_schedule  # noqa: E402
 
 ETCD_KINDS = list(KINDS)

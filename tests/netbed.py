@@ -318,6 +318,22 @@ class Host:
         """Every process running on this host."""
         return namespace_pids(self.ns)
 
+    def leftovers(self, within: float) -> list[str]:
+        """The command lines of this host's processes still there after ``within`` seconds
+        (those a process ended leave a moment later: its forkserver, its resource
+        tracker)."""
+        deadline = time.monotonic() + within
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = []
+        for pid in self.pids():
+            try:
+                left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                            .decode(errors="replace")[:160])
+            except OSError:
+                continue
+        return left
+
     # ------------------------------------------------------------ faults
 
     def _kill_started(self) -> None:

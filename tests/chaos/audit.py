@@ -1,38 +1,22 @@
 """What a fault campaign checks at its end, from the job's files and the hosts' processes:
 each sample once per epoch (from the loop's own records of what its loader gave it), every
-checkpoint verified by ``elastic-train checkpoints verify``, no process left on a host."""
+checkpoint verified by ``elastic-train checkpoints verify`` (no process left on a host:
+tests/netbed.py's ``Host.leftovers``)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from elastic_train.worker.sampler import epoch_order
-from tests import netbed as nb
 
 SEED = 0
 SESSION_SAMPLES, SESSION_BATCH = 256, 16
 """tests/integration/session_live_loop.py's data set and global batch."""
-
-
-def leftovers(host: nb.Host, within: float) -> list[str]:
-    """The command lines of ``host``'s processes still there after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while host.pids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = []
-    for pid in host.pids():
-        try:
-            left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                        .decode(errors="replace")[:160])
-        except OSError:
-            continue
-    return left
 
 
 def verify_checkpoints(run_dir: Path) -> str:

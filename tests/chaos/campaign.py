@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from tests import netbed as nb
-from tests.chaos.audit import audit_samples, leftovers, verify_checkpoints
+from tests.chaos.audit import audit_samples, verify_checkpoints
+from tests.chaos.disk import fill
 from tests.chaos.schedule import KINDS, Fault, Schedule
 from tests.integration import harness, hosts
 from tests.integration.hosts import EventLog
@@ -270,15 +271,6 @@ class Campaign:
         ranks = sorted(workers)
         return workers[ranks[min(local_rank, len(ranks) - 1)]]
 
-    def _fill_disk(self) -> Path:
-        """Fill the run dir's file system (a tmpfs the campaign mounted) with a ballast."""
-        ballast = self.run_dir / "ballast"
-        with open(ballast, "wb", buffering=0) as f, contextlib.suppress(OSError):
-            chunk = b"\0" * (1 << 20)
-            while True:
-                f.write(chunk)
-        return ballast
-
     def apply(self, index: int, fault: Fault) -> FaultRecord:
         """Apply ``fault``, hold it, heal it; the record (its times filled in later)."""
         name, host = fault.host, self.bed.host(fault.host)
@@ -357,7 +349,7 @@ class Campaign:
             self.start_agent(name)
         elif kind == "disk_full":
             record.at = time.time()
-            ballast = self._fill_disk()
+            ballast = fill(self.run_dir)  # a small disk of its own (chaos/disk.py)
             self._pause(fault.hold, index)
             ballast.unlink(missing_ok=True)
         else:
@@ -504,7 +496,7 @@ class Campaign:
     def _audit(self) -> None:
         """No process left on a node host, every checkpoint verifies, each sample once."""
         for name in self.setup.names:
-            left = leftovers(self.bed.host(name), within=15.0)
+            left = self.bed.host(name).leftovers(within=15.0)
             if left:
                 self.violations.append(Violation("processes left behind", None,
                                                  f"{name}: {left}"))
@@ -538,17 +530,3 @@ class Campaign:
 
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}s"
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, size_mb: int = 256) -> Any:
-    """A tmpfs of ``size_mb`` at ``path`` (for ``disk_full``), unmounted on exit."""
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
-                   check=True, capture_output=True, timeout=30)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True,
-                       timeout=30)
-

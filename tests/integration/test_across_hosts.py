@@ -86,22 +86,6 @@ def writer_of(nodes: list[hosts.Node]) -> hosts.Node:
     raise AssertionError("no node hosts rank 0:\n" + hosts.report(nodes))
 
 
-def nothing_left(host: nb.Host, within: float) -> list[str]:
-    """The command lines of ``host``'s processes still there after ``within`` seconds
-    (those a process ended leave a moment later: its forkserver, its resource tracker)."""
-    deadline = time.monotonic() + within
-    while host.pids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = []
-    for pid in host.pids():
-        try:
-            left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                        .decode(errors="replace")[:120])
-        except OSError:
-            continue
-    return left
-
-
 def claims(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((run_dir / "writers").iterdir())]
 
@@ -333,7 +317,7 @@ def test_c10d_the_stores_host_cut_off_ends_the_other_node_with_one_line(
         pulled_at = store.cable_down()
         assert hosts.wait_all(nodes[1:], 30) == [1], hosts.report(nodes)
         ended = time.time() - pulled_at
-        left = nothing_left(bed.host("node-b"), within=5.0)
+        left = bed.host("node-b").leftovers(within=5.0)
         assert left == [], left  # workers, spare, forkserver, resource tracker: all gone
         last = nodes[1].lines()[-1][1].decode()
         assert last.startswith("elastic-train: error: the c10d rendezvous store of job "
@@ -368,7 +352,7 @@ def test_c10d_the_stores_host_killed_ends_the_other_node_with_one_line(
         killed_at = store.kill()
         assert hosts.wait_all(nodes[1:], 60) == [1], hosts.report(nodes)
         ended = time.time() - killed_at
-        left = nothing_left(bed.host("node-b"), within=5.0)
+        left = bed.host("node-b").leftovers(within=5.0)
         assert left == [], left
         out = nodes[1].output()
         last = nodes[1].lines()[-1][1].decode()

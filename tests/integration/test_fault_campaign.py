@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from tests import netbed as nb
-from tests.chaos.campaign import Campaign, FaultRecord, Setup, small_disk
+from tests.chaos.campaign import Campaign, FaultRecord, Setup
+from tests.chaos.disk import small_disk
 from tests.chaos.schedule import Fault, Schedule, make_schedule
 from tests.integration import harness
 

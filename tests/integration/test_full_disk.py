@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -23,32 +22,18 @@ import pytest
 from elastic_train.checkpoint import fence as fence_module
 from elastic_train.checkpoint.fence import WriterFence
 from elastic_train.observe.line_file import LineFile
+from tests.chaos import disk as chaos_disk
 
 
 @contextlib.contextmanager
-def small_disk(path: Path, size: str = "64k") -> Iterator[Path]:
+def small_disk(path: Path) -> Iterator[Path]:
+    """A tmpfs of 64 KiB (chaos/disk.py): root only."""
     if os.geteuid() != 0:
         if os.environ.get("CI") == "true":
             pytest.fail("mounting a tmpfs needs root (CI runs the suite as root)")
         pytest.skip("mounting a tmpfs needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                   check=True, capture_output=True, timeout=30)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True,
-                       timeout=30)
-
-
-def fill(directory: Path) -> Path:
-    """A ballast file that takes every free byte of ``directory``'s file system."""
-    ballast = directory / "ballast"
-    with open(ballast, "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while True:
-            f.write(b"\0" * 4096)
-            f.flush()
-    return ballast
+    with chaos_disk.small_disk(path, "64k") as mounted:
+        yield mounted
 
 
 def test_a_log_on_a_full_disk_keeps_its_lines_and_writes_them_once_there_is_space(
@@ -56,7 +41,7 @@ def test_a_log_on_a_full_disk_keeps_its_lines_and_writes_them_once_there_is_spac
     with small_disk(tmp_path / "disk") as disk:
         log = LineFile(disk / "events.jsonl", "the event log")
         log.write(json.dumps({"n": 0}))
-        ballast = fill(disk)
+        ballast = chaos_disk.fill(disk)
         for n in range(1, 50):  # refused: nothing raised, nothing lost
             log.write(json.dumps({"n": n}))
         ballast.unlink()
@@ -71,7 +56,7 @@ def test_a_claim_on_a_full_disk_waits_for_space_and_is_never_left_empty(
     with small_disk(tmp_path / "disk") as disk:
         writers = WriterFence(disk / "writers")
         (disk / "writers").mkdir()
-        ballast = fill(disk)
+        ballast = chaos_disk.fill(disk)
         monkeypatch.setattr(fence_module, "CLAIM_WAIT_SECONDS", 0.5)
         with pytest.raises(OSError):  # no space for long: the claim fails, leaves nothing
             writers.claim(40, "r1")
@@ -94,7 +79,7 @@ def test_a_full_run_directory_is_no_bad_input(tmp_path: Path) -> None:
 
     with small_disk(tmp_path / "disk") as disk:
         run = RunDir(disk / "run").prepare()
-        fill(disk)
+        chaos_disk.fill(disk)
         assert RunDir(disk / "run").prepare().root == run.root
         with pytest.raises(ConfigError, match="is not writable"):  # a new one is
             RunDir(disk / "elsewhere").prepare()
