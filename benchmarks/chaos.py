@@ -87,9 +87,13 @@ def run_campaign(setup: Setup, schedule: Schedule, workdir: Path, disk: bool
             campaign.start()
             campaign.run(schedule)
             campaign.finish()
-            events = campaign.run_dir / "events.jsonl"
-            if events.exists():  # the run dir may be a small disk, gone after the campaign
-                shutil.copy(events, workdir / "events.jsonl")
+            # The run dir may be a small disk, gone after the campaign: its logs are kept.
+            for name in ("events.jsonl", "samples"):
+                found = campaign.run_dir / name
+                if found.is_file():
+                    shutil.copy(found, workdir / name)
+                elif found.is_dir():
+                    shutil.copytree(found, workdir / name, dirs_exist_ok=True)
             return campaign.records, [str(v) for v in campaign.violations], campaign.job_died
     finally:
         bed.close()

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import deque
 from pathlib import Path
-from typing import TextIO
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,18 @@ def ends_torn(path: Path) -> bool:
 
 
 class LineFile:
-    """Lines appended to ``path`` (see the module); ``what`` names it in warnings."""
+    """Lines appended to ``path`` (see the module); ``what`` names it in warnings.
+
+    Each line is one ``write`` on a file opened for appending; a line the disk refuses in
+    part is cut off again (``ftruncate`` to where it began), so the file never holds half
+    a line nor a line twice (Python's buffered files keep what they could not write and
+    write it again later: a line held here too then came out twice)."""
 
     def __init__(self, path: Path, what: str) -> None:
         self.path = Path(path)
         self.what = what
-        self._file: TextIO | None = None
-        self._held: deque[str] = deque(maxlen=HELD_LINES)
+        self._fd: int | None = None
+        self._held: deque[bytes] = deque(maxlen=HELD_LINES)
         self._dropped = 0
         self._outage = False
 
@@ -51,19 +56,19 @@ class LineFile:
         """Append ``line`` (no newline in it), after any lines held back."""
         if len(self._held) == HELD_LINES:
             self._dropped += 1
-        self._held.append(line)
+        self._held.append(line.encode() + b"\n")
         self._drain()
 
     def _drain(self) -> None:
         try:
-            if self._file is None:
+            if self._fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 torn = ends_torn(self.path)
-                self._file = open(self.path, "a", buffering=1)
-                if torn:
-                    self._file.write("\n")  # a crash tore the last line: start a fresh one
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                if torn:  # a crash tore the last line: start a fresh one
+                    self._append(b"\n")
             while self._held:
-                self._file.write(self._held[0] + "\n")
+                self._append(self._held[0])
                 self._held.popleft()
         except OSError as exc:
             self._failed(exc)
@@ -73,13 +78,22 @@ class LineFile:
                         "lost)", self.what, self._dropped)
             self._outage, self._dropped = False, 0
 
+    def _append(self, data: bytes) -> None:
+        """``data`` at the end of the file, whole or not at all."""
+        assert self._fd is not None
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError:
+            if done:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, start)
+            raise
+
     def _failed(self, exc: OSError) -> None:
-        """The file refused a line: drop the handle (its buffer may hold half a line; the
-        next open mends a torn end), keep the lines."""
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
-            self._file = None
+        """The file refused a line: keep it and the ones after it."""
         if not self._outage:
             log.warning("%s %s could not be written (%s): its lines are kept in memory and "
                         "written once there is space; training goes on", self.what,
@@ -87,17 +101,13 @@ class LineFile:
             self._outage = True
 
     def flush(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.flush()
-            except OSError as exc:
-                self._failed(exc)
+        """Nothing is buffered here: each line is written as it comes (or held)."""
 
     def close(self) -> None:
         """Write what is held if there is space now, then close."""
         if self._held:
             self._drain()
-        if self._file is not None:
+        if self._fd is not None:
             with contextlib.suppress(OSError):
-                self._file.close()
-            self._file = None
+                os.close(self._fd)
+            self._fd = None

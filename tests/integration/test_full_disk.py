@@ -38,17 +38,24 @@ def small_disk(path: Path) -> Iterator[Path]:
 
 def test_a_log_on_a_full_disk_keeps_its_lines_and_writes_them_once_there_is_space(
         tmp_path: Path) -> None:
+    """The disk fills in the middle of a line (4 KiB left, lines of ~100 bytes): the line
+    is cut off again and held with the ones after it; once there is space every line is
+    there once, in order, none torn (the fault campaign found a step's record twice, and
+    torn event lines, where a buffered file wrote again what it had kept)."""
     with small_disk(tmp_path / "disk") as disk:
         log = LineFile(disk / "events.jsonl", "the event log")
         log.write(json.dumps({"n": 0}))
+        gap = disk / "gap"
+        gap.write_bytes(b"\0" * 4096)
         ballast = chaos_disk.fill(disk)
-        for n in range(1, 50):  # refused: nothing raised, nothing lost
-            log.write(json.dumps({"n": n}))
+        gap.unlink()  # 4 KiB free: some lines fit, one is cut, the rest wait
+        for n in range(1, 200):
+            log.write(json.dumps({"n": n, "pad": "x" * 80}))
         ballast.unlink()
-        log.write(json.dumps({"n": 50}))
+        log.write(json.dumps({"n": 200}))
         log.close()
         lines = (disk / "events.jsonl").read_text().splitlines()
-    assert [json.loads(line)["n"] for line in lines if line] == list(range(51))
+    assert [json.loads(line)["n"] for line in lines] == list(range(201))
 
 
 def test_a_claim_on_a_full_disk_waits_for_space_and_is_never_left_empty(
