@@ -138,6 +138,16 @@ def agent_stopping(reason: str) -> Iterator[None]:
                 os.unlink(path)
 
 
+LOG_LEVEL = "ELASTIC_TRAIN_LOG_LEVEL"
+"""The agent's own log level (``INFO``: every coordination step of a re-formation, whom it
+called, who arrived, whom it followed; default ``WARNING``: what a user acts on)."""
+
+
+def agent_log_level(environ: Mapping[str, str] | None = None) -> str:
+    """``ELASTIC_TRAIN_LOG_LEVEL`` (default WARNING), upper-cased."""
+    return (os.environ if environ is None else environ).get(LOG_LEVEL, "WARNING").upper()
+
+
 def set_for_workers(key: str, value: str) -> None:
     """Set a variable in this (agent) process for the workers it starts next.
 

@@ -356,8 +356,26 @@ def _start_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start
             elastic_launch(config, entrypoint=run_worker)(*job_args)
 
 
+def _configure_logging() -> None:
+    """With ``ELASTIC_TRAIN_LOG_LEVEL`` set (e.g. INFO: every step of a re-formation's
+    coordination), the package's lines at that level, as the user always sees them (the
+    message alone). Unset, nothing changes: WARNING and above, as Python shows them."""
+    from elastic_train.agent.environment import agent_log_level
+
+    level = agent_log_level()
+    if level == "WARNING" or level not in logging.getLevelNamesMapping():
+        return
+    logger = logging.getLogger("elastic_train")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
+
+
 def main(argv: Sequence[str]) -> int:
     """Parse, pre-flight and launch; return the exit code."""
+    _configure_logging()
     # Workers run ``python -m elastic_train.train`` and so import tasks from the working
     # directory; the pre-flight and the forkserver must see the same modules.
     if os.getcwd() not in sys.path:

@@ -298,6 +298,8 @@ class Coordinator:
         members = [a for a in base.agents if a != self.address and a not in silent]
         called = self.peers.tell_all(members, NOTICE_KEY,
                                      Notice(generation, self.address).encode())
+        log.info("coordinating generation %d: called %s of %s (left out: %s)", generation,
+                 sorted(called), members, sorted(silent))
         arrivals = {self.address: arrival}
         deadline = time.monotonic() + self.arrive_seconds
         while called - arrivals.keys() and time.monotonic() < deadline:
@@ -316,9 +318,13 @@ class Coordinator:
                     and rival.coordinator < self.address:
                 # two agents called at once: the one with the smaller id coordinates, and
                 # the members that arrived here follow it too
+                log.info("generation %d: %s called too and coordinates; following it",
+                         generation, rival.coordinator)
                 self.node_store.set(plan_key(generation), REDIRECT + rival.encode().encode())
                 return self.follow(rival.coordinator, rival.generation, arrival)
             time.sleep(0.005)
+        log.info("generation %d: %s arrived of %s called", generation,
+                 sorted(set(arrivals) - {self.address}), sorted(called))
         plan = plan_reformation(base, arrivals, self.address, generation=generation,
                                 detected_at=detected_at)
         if plan is not None and len(plan.members) < self.min_nodes:
@@ -350,6 +356,7 @@ class Coordinator:
                hops: int = REFORM_ATTEMPTS) -> Outcome:
         """Arrive at ``coordinator``'s call; its plan (RESTART, or None if it is gone). A
         coordinator that yielded to a rival sends this member on to the rival."""
+        log.info("generation %d: following %s", generation, coordinator)
         if not self.peers.tell(coordinator, arrival_key(generation, self.address),
                                arrival.encode()):
             return None
