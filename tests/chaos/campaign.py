@@ -176,7 +176,8 @@ class Campaign:
         job, script = self._job()
         lives = sum(1 for a in self.lives if a.host == name)
         node = hosts.start_node(host, self.run_dir, [*self._launcher(host), *job],
-                                name=f"{name}.{lives}", script=script)
+                                name=f"{name}.{lives}", script=script,
+                                env={"ELASTIC_TRAIN_LOG_LEVEL": "INFO", **dict(self.setup.env)})
         agent = Agent(name, node, time.time())
         self.agents[name] = agent
         self.lives.append(agent)
