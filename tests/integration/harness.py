@@ -28,6 +28,7 @@ from elastic_train import cli
 from elastic_train.live.environment import RENDEZVOUS_SECONDS
 from elastic_train.observe.events import read_events
 from elastic_train.rundir import EVENTS_FILE
+from elastic_train.torch_compat import CHECKED
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,6 +47,9 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     env.pop(RENDEZVOUS_SECONDS, None)  # only an agent sets it, for its own workers
+    # likewise the torch version its launcher checked: an in-process launch by an earlier
+    # test sets it here, and a worker then skips its own check (the plain-torchrun refusal)
+    env.pop(CHECKED, None)
     env.update(extra or {})
     return env
 
