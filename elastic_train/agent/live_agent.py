@@ -17,7 +17,8 @@ live/coordination.py):
 - **When a worker dies**, its agent starts it again at once (a fork from the forkserver)
   and calls the other agents to re-form; **when a worker's collective fails** (a peer
   died, maybe with its whole node) or **a peer falls silent** (agent/silent_peers.py), its
-  agent does the same.
+  agent does the same; but when a node waits to join just then, the world re-forms in
+  that rendezvous round instead (a member may wait there already, deaf to calls).
 - **Telling the workers** (agent/worker_messages.py): each agent writes the plan into its
   own store with a mode (``abort``: fail your collectives and re-form now; ``boundary``:
   re-form after your step once the new workers are built; ``start``) and bumps the
@@ -85,6 +86,7 @@ from elastic_train.config import RecoveryMode
 from elastic_train.errors import NodeLeftError
 from elastic_train.live.coordination import RESTART, Notice, Round, lost_members
 from elastic_train.live.environment import LIVE_GENERATION
+from elastic_train.live.peers import bounded
 from elastic_train.live.plan import LIVE, Arrival, Plan
 from elastic_train.rendezvous.forget import forget_nodes, rendezvous_node_id
 
@@ -93,6 +95,9 @@ __all__ = ["ACROSS_NODES", "LiveOptions", "LiveRecoveryAgent", "PerWorkerProcess
 
 log = logging.getLogger(__name__)
 
+ROUND_PROBE_SECONDS = 2.0
+"""How long the agent asks the rendezvous whether a node waits to join, when the world
+must change (its store may be the one that was lost)."""
 REFORMED, RESTARTED, LEFT_OUT = "reformed", "restarted", "left out"
 """What a re-formation came to for this node (``LiveRecoveryAgent._reform``)."""
 
@@ -313,6 +318,8 @@ class LiveRecoveryAgent(TorchAgent):
             self._messages(worker_group).release()
             return self.torch_monitor_workers(worker_group) if failed \
                 else RunResult(state=WorkerState.UNHEALTHY)
+        if notice is None and not silent and self._round_waiting(worker_group):
+            return self._into_round(worker_group, failed)
         outcome = self._reform(worker_group, workers, failed, notice, silent)
         if outcome == REFORMED:
             return RunResult(state=WorkerState.HEALTHY)
@@ -321,6 +328,38 @@ class LiveRecoveryAgent(TorchAgent):
             return RunResult(state=WorkerState.HEALTHY)
         return RunResult(state=WorkerState.UNHEALTHY, failures={
             worker_group.workers[lr].global_rank: failure for lr, failure in failed.items()})
+
+    def _round_waiting(self, worker_group: WorkerGroup) -> bool:
+        """Whether a node waits in the rendezvous for a new round (torch's agent takes
+        that round at its next check of healthy workers). Asked only when the world must
+        change, bounded: a store that does not answer counts as no round."""
+        handler = worker_group.spec.rdzv_handler
+        try:
+            return bounded(handler.num_nodes_waiting, ROUND_PROBE_SECONDS) > 0
+        except Exception as exc:  # any store's error: re-form in place as before
+            log.info("could not tell whether a node waits to join (%s: %s)",
+                     type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            return False
+
+    def _into_round(self, worker_group: WorkerGroup, failed: Mapping[int, Any]) -> RunResult:
+        """A worker failed or a collective broke while a node waits to join: the world
+        re-forms in that node's rendezvous round rather than by a call to the members,
+        since a member may already wait in that round and would not come to the call
+        (the fault campaign, seed 107: a worker killed just after a thawed node asked to
+        rejoin; the caller waited ``ARRIVE_SECONDS`` for it and went on alone, the two
+        others left out). The workers that hold the state keep it through the round;
+        a failed one starts again from them, as a joining node's do."""
+        if failed:
+            self._live_left -= 1
+            log.warning("worker rank(s) %s failed (exit code %s) while a node waits to "
+                        "join: the world re-forms in that rendezvous round",
+                        sorted(worker_group.workers[lr].global_rank for lr in failed),
+                        [f.exitcode for f in failed.values()])
+        else:
+            log.warning("a collective failed while a node waits to join: the world "
+                        "re-forms in that rendezvous round")
+        self.restart_workers(worker_group)
+        return RunResult(state=WorkerState.HEALTHY)
 
     def _joining(self, messages: WorkerMessages) -> bool:
         """Whether this node's workers are joining a world the other members hold (started
