@@ -88,7 +88,11 @@ from elastic_train.live.coordination import RESTART, Notice, Round, lost_members
 from elastic_train.live.environment import LIVE_GENERATION
 from elastic_train.live.peers import bounded
 from elastic_train.live.plan import LIVE, Arrival, Plan
-from elastic_train.rendezvous.forget import forget_nodes, rendezvous_node_id
+from elastic_train.rendezvous.forget import (
+    defer_lease_losses,
+    forget_nodes,
+    rendezvous_node_id,
+)
 
 __all__ = ["ACROSS_NODES", "LiveOptions", "LiveRecoveryAgent", "PerWorkerProcesses",
            "live_agent_installed", "live_worker_env"]
@@ -98,6 +102,9 @@ log = logging.getLogger(__name__)
 ROUND_PROBE_SECONDS = 2.0
 """How long the agent asks the rendezvous whether a node waits to join, when the world
 must change (its store may be the one that was lost)."""
+LEASE_GRACE_MARGIN = 1.0
+"""Seconds beyond the failure detector's timeout that a member's expired lease waits
+before it re-forms the world by a new round (rendezvous/forget.py's ``defer_lease_losses``)."""
 REFORMED, RESTARTED, LEFT_OUT = "reformed", "restarted", "left out"
 """What a re-formation came to for this node (``LiveRecoveryAgent._reform``)."""
 
@@ -227,6 +234,10 @@ class LiveRecoveryAgent(TorchAgent):
         if self._node is None:
             self._node = LiveNode(worker_group, self.options, self._wake,
                                   self._end_if_c10d_store_lost)
+            # a member's expired lease (etcd-v3) waits for the failure detector to leave
+            # it out in place, rather than re-forming every node by a new round
+            defer_lease_losses(worker_group.spec.rdzv_handler,
+                               self.options.peer_timeout + LEASE_GRACE_MARGIN)
         self._round_agents = worker_group.group_world_size
         round_ = Round(worker_group.store, worker_group.group_rank,
                        worker_group.group_world_size) if self._round_agents > 1 else None
@@ -471,6 +482,8 @@ class LiveRecoveryAgent(TorchAgent):
         if worker_group.state == WorkerState.HEALTHY and self._holding() \
                 and self._live_possible(worker_group) is None \
                 and worker_group.spec.rdzv_handler.get_backend() in ACROSS_NODES:
+            log.info("a node waits to join: this node goes into the new rendezvous round "
+                     "while its workers train on")
             self.rendezvous(worker_group)
             for local_rank, pid in self.start_workers(worker_group).items():
                 worker_group.workers[local_rank].id = pid

@@ -34,6 +34,7 @@ it does to the workers (start, restart, announce) in agent/live_agent.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -144,16 +145,34 @@ def commit_plan(store: Store, key: str, base: bytes, plan: bytes) -> bytes:
     return bytes(store.compare_set(key, base, plan))
 
 
-def take_over(store: Store, key: str, plan: bytes, tries: int = 20) -> bytes:
+def take_over(store: Store, key: str, plan: Plan, tries: int = 20) -> bytes:
     """Make ``plan`` the plan at ``key`` whatever it replaces (a new rendezvous round's
     plan supersedes every plan before it): a compare-and-swap from the value read, again
-    if another commit came in between. A coordinator of an older world that swaps from
-    its own plan after this finds the key changed and commits nothing."""
+    if another commit came in between; the plan as committed. A coordinator of an older
+    world that swaps from its own plan after this finds the key changed and commits
+    nothing.
+
+    Its generation is above the replaced plan's, whoever committed that one: a node cut
+    off while the others formed this round may have committed a world of its own in place
+    (its compare-and-swap reached the store as its cable came back), numbered from the
+    same base; two worlds of one generation would each hold "the newest" state, and a
+    later round could not tell the stale one (the fault campaign, seed 300)."""
     for _ in range(tries):
         current = bytes(store.get(key)) if store.check([key]) else b""
-        if commit_plan(store, key, current, plan) == plan:
-            return plan
+        replaced = _generation_of(current)
+        if replaced is not None and plan.generation <= replaced:
+            plan = dataclasses.replace(plan, generation=replaced + 1)
+        raw = plan.encode()
+        if commit_plan(store, key, current, raw) == raw:
+            return raw
     raise RuntimeError(f"could not commit a new round's plan at {key}: it kept changing")
+
+
+def _generation_of(raw: bytes) -> int | None:
+    """The generation of the plan committed as ``raw`` (None: none, or not a plan)."""
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        return int(json.loads(raw)["generation"])
+    return None
 
 
 Outcome = tuple[Plan, bytes] | bytes | None
@@ -221,7 +240,8 @@ class Coordinator:
         detected_at = time.time() if now is None else now
         if round_ is None:
             plan = plan_round([arrival], self.address, detected_at=detected_at)
-            return plan, take_over(job_store, COMMITTED_KEY, plan.encode())
+            raw = take_over(job_store, COMMITTED_KEY, plan)
+            return Plan.decode(raw), raw
         store = round_.store
         keys = [f"{ROUND_PREFIX}/arrival/{r}" for r in range(round_.size)]
         store.set(keys[round_.rank], arrival.encode())
@@ -230,7 +250,7 @@ class Coordinator:
                 store.wait(keys, timedelta(seconds=MIXED_ROUND_SECONDS))
                 plan = plan_round([Arrival.decode(r) for r in store.multi_get(keys)],
                                   self.address, detected_at=detected_at)
-                raw = take_over(job_store, COMMITTED_KEY, plan.encode())
+                raw = take_over(job_store, COMMITTED_KEY, plan)
                 raw = commit_plan(store, COMMITTED_KEY, b"", raw)
             except (RuntimeError, TimeoutError):  # torch's stores time out: DistStoreError
                 raw = commit_plan(store, COMMITTED_KEY, b"", STOCK_ROUND)

@@ -20,7 +20,9 @@ so that their leases expiring later does not re-form a world they are no longer 
 
 Handlers offer this through two calls, ``rendezvous_node_id`` and ``forget_nodes``; a
 handler of our own may define methods of those names, torch's dynamic handler is served
-here, and any other handler forgets nothing (its nodes expire as they always did).
+here, and any other handler forgets nothing (its nodes expire as they always did). A
+handler with a ``lost_grace`` attribute (the lease design) also lets live recovery's
+failure detector act first on a member whose lease just expired (``defer_lease_losses``).
 """
 
 from __future__ import annotations
@@ -120,3 +122,13 @@ def _forget(holder: Any, wanted: set[str]) -> list[str]:
     log.warning("could not remove the lost node(s) %s from the rendezvous in %d attempts: "
                 "they leave it when their heartbeats expire", sorted(wanted), FORGET_ATTEMPTS)
     return []
+
+
+def defer_lease_losses(handler: RendezvousHandler, seconds: float) -> bool:
+    """Let a member's expired lease wait ``seconds`` before it re-forms the world by a new
+    rendezvous round, where the handler offers it (``lost_grace``): live recovery leaves a
+    silent member out in place first. Whether the handler took it."""
+    if not hasattr(handler, "lost_grace"):
+        return False
+    handler.lost_grace = float(seconds)  # type: ignore[attr-defined]
+    return True

@@ -70,6 +70,8 @@ class Setup:
     rdzv_conf: str | None = None
     extra: tuple[str, ...] = ()
     """More job options (built-in job) or script arguments (session loop)."""
+    launcher: tuple[str, ...] = ()
+    """More launcher options (e.g. ``--peer-timeout``), before the job's."""
     env: tuple[tuple[str, str], ...] = ()
     """More environment for the agents (e.g. LOGLEVEL=INFO to see their decisions)."""
 
@@ -175,7 +177,8 @@ class Campaign:
         host = self.bed.host(name)
         job, script = self._job()
         lives = sum(1 for a in self.lives if a.host == name)
-        node = hosts.start_node(host, self.run_dir, [*self._launcher(host), *job],
+        node = hosts.start_node(host, self.run_dir,
+                                [*self._launcher(host), *self.setup.launcher, *job],
                                 name=f"{name}.{lives}", script=script,
                                 env={"ELASTIC_TRAIN_LOG_LEVEL": "INFO", **dict(self.setup.env)})
         agent = Agent(name, node, time.time())

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,6 +92,49 @@ def test_replay_a_node_killed_after_an_earlier_re_formation_costs_no_arrival_tim
     assert_clean(run)
     assert all(r.next_step is not None and r.next_step < 5.0 for r in run.records), \
         [(r.index, r.next_step) for r in run.records]
+
+
+def test_a_worker_killed_while_a_node_waits_to_join_re_forms_the_full_world(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by seed 107 (node C frozen, then B's worker killed as C rejoined), made
+    deterministic: one member (B) is already in the joining node's new rendezvous round
+    when a worker of another (A) dies. A used to call the members to re-form, waited its
+    10 s for B (in the round, deaf to calls) and went on alone, B and C left out. Now A
+    goes into that round too: the next step is at the full world, within seconds.
+
+    A's agent alone is frozen while C joins, so that B enters the round first (a failure
+    detector and a lease long enough that the freeze itself is no fault)."""
+    setup = Setup(rdzv_conf="lease_ttl=60", launcher=("--peer-timeout", "60"))
+    bed = netbed(setup.names, etcd=True)
+    run = Campaign(bed, setup, tmp_path)
+    run.start()
+    run._end_expected("node-c", "killed")
+    left_at = bed.host("node-c").kill()
+    assert run._wait(lambda: run._step_at_world(2, left_at), 60), run.report_nodes()
+    a, b = run.agents["node-a"], run.agents["node-b"]
+    into_round = "this node goes into the new rendezvous round"
+    before = b.node.output().count(into_round)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        run.start_agent("node-c")
+        assert run._wait(lambda: b.node.output().count(into_round) > before, 120), \
+            run.report_nodes()
+        worker = run._worker_pid("node-a", 0)
+        assert worker is not None
+        killed_at = time.time()
+        os.kill(worker, signal.SIGKILL)
+        # reaped (by the forkserver, not frozen): A's first look at its workers, once
+        # thawed, sees the death before it would look for a waiting node
+        assert run._wait(lambda: not os.path.exists(f"/proc/{worker}"), 10), worker
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    assert run._wait(lambda: run._step_started_after(killed_at) is not None, 60), \
+        run.report_nodes()
+    first = run._step_started_after(killed_at)
+    assert first is not None and first["world_size"] == 3, (first, run.report_nodes())
+    assert first["time"] - killed_at < 8.0, (first["time"] - killed_at, run.report_nodes())
+    run.finish()
+    assert_clean(run)
 
 
 @pytest.mark.extended

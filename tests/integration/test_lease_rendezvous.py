@@ -222,6 +222,30 @@ def test_a_lease_expiring_for_a_member_live_recovery_left_out_changes_nothing(
     wait_until(lambda: told.num_nodes_waiting() == 1, 5, "the told member seeing the other")
 
 
+def test_an_expired_lease_waits_its_grace_so_that_live_recovery_leaves_the_node_out_first(
+        etcd_v3: EtcdServer) -> None:
+    """With ``lost_grace`` (live recovery sets it above its failure detector's timeout), a
+    member whose lease just expired re-forms nothing by a new round until the grace is
+    over: the detector leaves a silent node out in place first, and ``forget_nodes`` then
+    makes the expiry no news (the fault campaign, seed 300: a new round cost a pulled
+    cable 6 s). A member alive but unheard only by etcd re-forms the world after it."""
+    from elastic_train.rendezvous.forget import defer_lease_losses, forget_nodes
+
+    kv = real_kv(etcd_v3)
+    run_id = uuid.uuid4().hex
+    members = [handler(kv, run_id, 3, 3, i, lease_ttl=2) for i in range(3)]
+    run_threads(lambda i: members[i].next_rendezvous(), 3)
+    left_out, grace_over, gone = members
+    assert defer_lease_losses(left_out, 30.0) and defer_lease_losses(grace_over, 1.0)
+    kv.revoke_lease(gone._lease.id)
+    seen = wait_until(lambda: grace_over.num_nodes_waiting() == 1, 10,
+                      "the member seeing the loss once its grace is over")
+    assert seen >= 0.9
+    assert left_out.num_nodes_waiting() == 0          # within its grace
+    assert forget_nodes(left_out, [gone.node], coordinator=False) == [gone.node]
+    assert left_out.num_nodes_waiting() == 0          # and left out in place: no news
+
+
 def test_a_sigkilled_coordinator_mid_join_is_replaced_and_left_out(
         etcd_v3: EtcdServer, participants: list[Participants]) -> None:
     """The first joiner (the round's coordinator) dies while the round is open: its lease

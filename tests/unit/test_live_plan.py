@@ -156,11 +156,33 @@ def test_a_new_rounds_plan_supersedes_every_plan_and_fences_the_old_worlds_coord
     coordinator swaps from the plan of its old round, which the new round replaced (the
     job's plan key spans rounds), so it commits nothing and learns the newer plan."""
     store = _server()
-    old_round, cut_off, new_round = (world_of((A, 1), (B, 1), generation=g).encode()
+    old_round, cut_off, new_round = (world_of((A, 1), (B, 1), generation=g)
                                      for g in (1, 2, 3))
-    assert take_over(store, "plan", old_round) == old_round        # nothing before it
-    assert take_over(store, "plan", new_round) == new_round        # whatever was there
-    assert commit_plan(store, "plan", old_round, cut_off) == new_round
+    assert take_over(store, "plan", old_round) == old_round.encode()  # nothing before it
+    assert take_over(store, "plan", new_round) == new_round.encode()  # whatever was there
+    assert commit_plan(store, "plan", old_round.encode(), cut_off.encode()) \
+        == new_round.encode()
+
+
+def test_a_new_rounds_plan_is_numbered_above_a_world_a_cut_off_node_committed_meanwhile(
+        ) -> None:
+    """Found by the fault campaign (seed 300): node C cut off re-formed alone in place as
+    generation 8 from generation 7, its commit reaching etcd as its cable came back, while
+    A and B formed a new round, also numbered 8 (one past what they held). Two worlds of
+    generation 8 trained at once, and the next round could not tell C's stale state from
+    theirs. The round's plan now takes the generation after whatever it replaces."""
+    store = _server()
+    base = world_of((A, 1), (B, 1), (C, 1), generation=7)
+    alone = world_of((C, 1), generation=8)
+    round_of_two = world_of((A, 1), (B, 1), generation=8)
+    assert take_over(store, "plan", base) == base.encode()
+    assert commit_plan(store, "plan", base.encode(), alone.encode()) == alone.encode()
+    committed = Plan.decode(take_over(store, "plan", round_of_two))
+    assert committed.generation == 9
+    assert committed.members == round_of_two.members
+    # above an older plan, the round keeps its own number
+    assert Plan.decode(take_over(store, "plan", world_of((A, 1), generation=12))).generation \
+        == 12
 
 
 def test_a_dead_agent_refuses_at_once_and_a_live_one_takes_the_call() -> None:
