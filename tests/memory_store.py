@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 
@@ -93,7 +93,8 @@ class Peers:
         self.network.stores[address].set(key, value)
         return True
 
-    def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes) -> set[str]:
+    def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes,
+                 abandon: Callable[[], Iterable[str]] = tuple) -> set[str]:
         return {a for a in addresses if self.tell(a, key, value)}
 
     def read(self, address: str, key: str, timeout: float) -> bytes | None:

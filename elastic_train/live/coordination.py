@@ -94,12 +94,14 @@ class Store(Protocol):
 
 class Peers(Protocol):
     """The other agents' stores, by address (live/peers.PeerStores): ``tell`` sets a key
-    there and wakes that agent (False: it is gone), ``read`` waits for a key there (None:
-    not within ``timeout``, or it is gone)."""
+    there and wakes that agent (False: it is gone), ``tell_all`` in several at once (not
+    waiting for a call to an address in ``abandon()``), ``read`` waits for a key there
+    (None: not within ``timeout``, or it is gone)."""
 
     def tell(self, address: str, key: str, value: str | bytes) -> bool: ...
 
-    def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes) -> set[str]: ...
+    def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes,
+                 abandon: Callable[[], Iterable[str]] = tuple) -> set[str]: ...
 
     def read(self, address: str, key: str, timeout: float) -> bytes | None: ...
 
@@ -317,7 +319,8 @@ class Coordinator:
         silent = set(silent)
         members = [a for a in base.agents if a != self.address and a not in silent]
         called = self.peers.tell_all(members, NOTICE_KEY,
-                                     Notice(generation, self.address).encode())
+                                     Notice(generation, self.address).encode(),
+                                     abandon=self.suspects)
         log.info("coordinating generation %d: called %s of %s (left out: %s)", generation,
                  sorted(called), members, sorted(silent))
         arrivals = {self.address: arrival}

@@ -178,6 +178,26 @@ def test_replay_etcd_killed_while_a_node_joins_ends_nothing(netbed: Factory,
 
 
 @pytest.mark.extended
+def test_replay_a_cable_pulled_after_an_etcd_outage_splits_nothing(netbed: Factory,
+                                                                   tmp_path: Path) -> None:
+    """Found by seed 300: etcd cut off 6.3 s, then node C's cable pulled 2.2 s after it
+    came back. C's lease, left nearly spent by the outage, expired 0.9 s later, and the
+    others formed a new round without C (5 s of last call) while C, alone, committed a
+    world of its own in place as its cable came back: two worlds of one generation trained
+    at once (the sample audit saw every step of them twice). The lease's expiry now waits
+    for the failure detector, and a round's plan is numbered above what it replaces
+    (tests/unit/test_live_plan.py and test_lease_rendezvous.py pin each deterministically;
+    this replay depends on when C's lease was last renewed)."""
+    faults = (Fault("etcd_cable", "etcd", 6.3, 2.2, False),
+              Fault("cable", "node-c", 5.4, 2.0, True))
+    run = campaign(netbed, tmp_path, Setup(), Schedule(300, faults))
+    show(run)
+    assert_clean(run)
+    cable = of_kind(run, "cable")[0]
+    assert cable.next_step is not None and cable.next_step < 3.0, cable
+
+
+@pytest.mark.extended
 def test_a_campaign_of_worker_kills_ends_bitwise_equal_to_a_run_never_killed(
         netbed: Factory, tmp_path: Path) -> None:
     """Worker kills only, the job run to its end: the world never shrinks, and the final

@@ -231,6 +231,40 @@ def test_a_silent_agent_costs_a_bounded_call_and_the_caller_still_exits_cleanly(
     assert "terminate called" not in done.stderr
 
 
+SUSPECTED_AGENT_CALL = """
+import socket, sys, time
+from elastic_train.live.peers import PeerStores
+from elastic_train.process_exit import exit_process
+dying = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel), never answers
+import torch.distributed as dist
+from datetime import timedelta
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=5))
+answering = f"127.0.0.1:{store.port}"
+suspected = f"127.0.0.1:{dying.getsockname()[1]}"
+start = time.monotonic()
+told = PeerStores(timeout=15).tell_all([answering, suspected], "k", "v",
+                                       abandon=lambda: {suspected})
+print(sorted(told) == [answering], round(time.monotonic() - start, 2), flush=True)
+exit_process(3)
+"""
+
+
+def test_a_call_to_a_member_the_failure_detector_suspects_is_not_waited_for() -> None:
+    """A process dying with its host up takes connections and answers none while its
+    memory is freed: the call to it would wait out 2 x PROBE_SECONDS (4 s per killed node
+    in the fault campaign). Once the failure detector suspects it, ``tell_all`` goes on
+    with the members that answered."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SUSPECTED_AGENT_CALL], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3, done.stderr[-2000:]
+    answered, seconds = done.stdout.split()
+    assert answered == "True" and float(seconds) < 1.0, done.stdout
+
+
 AGENT_STORE = """
 import sys, time
 from datetime import timedelta
