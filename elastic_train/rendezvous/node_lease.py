@@ -6,10 +6,15 @@ agent dies, nobody renews it, etcd expires it after ``ttl`` seconds and deletes 
 keys, and the other nodes, which watch those keys, see it at once. No heartbeat is ever
 written into a shared value.
 
-While etcd does not answer, renewals fail and are retried; etcd itself extends every lease
-when it comes back (a restarted or newly elected etcd restarts the leases' clocks), so an
-outage alone declares nobody dead. If etcd says the lease is gone (``lost``), this node
-is no longer part of any round: its agent must rejoin with a fresh lease.
+While etcd does not answer, renewals fail and are retried every ``RETRY_SECONDS``, each
+bounded by ``renewal_timeout`` on a client of the lease's own (``EtcdKV.for_renewals``), so
+that the first renewal after etcd answers again comes within about a second. A restarted
+or newly elected etcd extends every lease itself (it restarts the leases' clocks); an etcd
+cut off from the nodes does not: its leases keep counting down, and one whose node could
+not renew it in time expires. So an outage alone declares nobody dead as long as it is
+shorter than about ``ttl`` minus the renewal interval (6 s of the default 10); after a
+longer one every node rejoins. If etcd says the lease is gone (``lost``), this node is no
+longer part of any round: its agent must rejoin with a fresh lease.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ from elastic_train.rendezvous.client import KV, EtcdUnreachableError
 
 log = logging.getLogger(__name__)
 
+RETRY_SECONDS = 0.5
+"""How soon a failed renewal is tried again (a renewal that worked waits ``ttl / 3``)."""
+
+
+def renewal_timeout(ttl: int) -> float:
+    """How long one renewal may take: well inside the renewal interval, so that a request
+    stuck while etcd was away cannot hold the next one past the lease's expiry."""
+    return max(0.5, min(2.0, ttl / 5))
+
 
 class NodeLease:
     """The lease of this node; ``ensure`` grants it (again) and starts the renewals."""
@@ -28,7 +42,8 @@ class NodeLease:
     def __init__(self, kv: KV, ttl: int) -> None:
         if ttl < 2:
             raise ValueError(f"lease ttl {ttl}: at least 2 seconds")
-        self._kv = kv
+        separate = getattr(kv, "for_renewals", None)
+        self._kv: KV = separate(renewal_timeout(ttl)) if callable(separate) else kv
         self.ttl = ttl
         self.id = 0
         self._lost = threading.Event()
@@ -56,15 +71,18 @@ class NodeLease:
             return self.id
 
     def _renew(self, lease: int) -> None:
-        while not self._stop.wait(self.ttl / 3):
+        wait = self.ttl / 3
+        while not self._stop.wait(wait):
+            wait = min(RETRY_SECONDS, self.ttl / 3)  # unless this renewal works
             try:
                 if self._kv.keep_alive(lease) <= 0:
                     log.warning("this node's etcd lease %x expired: it is no longer part of "
                                 "the rendezvous and rejoins", lease)
                     self._lost.set()
                     return
+                wait = self.ttl / 3
             except EtcdUnreachableError:
-                continue  # the outage is logged by the rendezvous; etcd extends leases
+                continue  # the outage is logged by the rendezvous
             except Exception as exc:  # a renewal thread must not die silently
                 log.warning("renewing this node's etcd lease failed (%s); retrying", exc)
 
