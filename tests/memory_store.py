@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
+from elastic_train.live.coordination import offer
+
 
 class MemoryStore:
     """A key-value store with torch's ``Store`` semantics that coordination uses."""
@@ -87,15 +89,21 @@ class Peers:
         self.network = network
         self.caller = caller
 
-    def tell(self, address: str, key: str, value: str | bytes) -> bool:
+    def tell(self, address: str, key: str, value: str | bytes,
+             keep: Callable[[bytes, bytes], bool] | None = None) -> bool:
         if not self.network.reaches(self.caller, address):
             return False
-        self.network.stores[address].set(key, value)
+        store = self.network.stores[address]
+        if keep is None:
+            store.set(key, value)
+        else:
+            offer(store, key, value if isinstance(value, bytes) else value.encode(), keep)
         return True
 
     def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes,
-                 abandon: Callable[[], Iterable[str]] = tuple) -> set[str]:
-        return {a for a in addresses if self.tell(a, key, value)}
+                 abandon: Callable[[], Iterable[str]] = tuple,
+                 keep: Callable[[bytes, bytes], bool] | None = None) -> set[str]:
+        return {a for a in addresses if self.tell(a, key, value, keep)}
 
     def read(self, address: str, key: str, timeout: float) -> bytes | None:
         if not self.network.reaches(self.caller, address):

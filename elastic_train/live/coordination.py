@@ -95,13 +95,15 @@ class Store(Protocol):
 class Peers(Protocol):
     """The other agents' stores, by address (live/peers.PeerStores): ``tell`` sets a key
     there and wakes that agent (False: it is gone), ``tell_all`` in several at once (not
-    waiting for a call to an address in ``abandon()``), ``read`` waits for a key there
-    (None: not within ``timeout``, or it is gone)."""
+    waiting for a call to an address in ``abandon()``; with ``keep``, a value there that
+    ``keep(present, value)`` prefers stays), ``read`` waits for a key there (None: not
+    within ``timeout``, or it is gone)."""
 
     def tell(self, address: str, key: str, value: str | bytes) -> bool: ...
 
     def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes,
-                 abandon: Callable[[], Iterable[str]] = tuple) -> set[str]: ...
+                 abandon: Callable[[], Iterable[str]] = tuple,
+                 keep: Callable[[bytes, bytes], bool] | None = None) -> set[str]: ...
 
     def read(self, address: str, key: str, timeout: float) -> bytes | None: ...
 
@@ -128,6 +130,37 @@ class Notice:
     def decode(cls, data: str | bytes) -> Notice:
         raw = json.loads(data)
         return cls(int(raw["generation"]), str(raw["coordinator"]))
+
+
+def preferred_call(present: bytes, ours: bytes) -> bool:
+    """Whether a member keeps the call already in its notice key over ours: a newer
+    generation's, or the same generation's from a smaller id (the one that coordinates).
+    Several agents calling at once each write that one key; kept as it came, the last
+    writer's call hid the smallest id's, and a member it hid from waited its arrival
+    timeout as a rival coordinator (the fault campaign, seed 306: three agents called at
+    once after a worker kill; 10 s later one node trained alone, two left out)."""
+    try:
+        there, mine = Notice.decode(present), Notice.decode(ours)
+    except (ValueError, KeyError, TypeError):
+        return False
+    if there.generation != mine.generation:
+        return there.generation > mine.generation
+    return there.coordinator < mine.coordinator
+
+
+def offer(store: Store, key: str, value: bytes, keep: Callable[[bytes, bytes], bool],
+          tries: int = 8) -> bytes:
+    """Put ``value`` at ``key`` unless the value there is one ``keep(present, value)``
+    prefers; what is there after. By compare-and-swap, so that of callers racing for one
+    key the preferred value stays whatever the order they arrive in."""
+    expected = b""  # absent, at first guess
+    present = b""
+    for _ in range(tries):
+        present = bytes(store.compare_set(key, expected, value))
+        if present == value or keep(present, value):
+            return present
+        expected = present
+    return present
 
 
 def local_value(store: Store, key: str) -> bytes | None:
@@ -320,7 +353,7 @@ class Coordinator:
         members = [a for a in base.agents if a != self.address and a not in silent]
         called = self.peers.tell_all(members, NOTICE_KEY,
                                      Notice(generation, self.address).encode(),
-                                     abandon=self.suspects)
+                                     abandon=self.suspects, keep=preferred_call)
         log.info("coordinating generation %d: called %s of %s (left out: %s)", generation,
                  sorted(called), members, sorted(silent))
         arrivals = {self.address: arrival}

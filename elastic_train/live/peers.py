@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from elastic_train.live.coordination import PREFIX
+from elastic_train.live.coordination import PREFIX, offer
 from elastic_train.process_exit import left_in_c
 
 T = TypeVar("T")
@@ -89,13 +89,20 @@ class PeerStores:
         with self._lock:
             self._clients.pop(address, None)
 
-    def tell(self, address: str, key: str, value: str | bytes) -> bool:
+    def tell(self, address: str, key: str, value: str | bytes,
+             keep: Callable[[bytes, bytes], bool] | None = None) -> bool:
         """Set ``key`` in the store at ``address`` and wake that agent; False when that
-        agent is gone, or silent for ``2 * PROBE_SECONDS``."""
+        agent is gone, or silent for ``2 * PROBE_SECONDS``. With ``keep``, a value there
+        that ``keep(present, value)`` prefers stays (compare-and-swap): several callers'
+        values meet in one key."""
 
         def call() -> None:
             client = self.client(address)
-            client.set(key, value)
+            if keep is None:
+                client.set(key, value)
+            else:
+                offer(client, key, value if isinstance(value, bytes) else value.encode(),
+                      keep)
             wake(client)
             # A set is never answered: on a connection kept from an earlier call to an
             # agent that died since, it lands in the kernel's buffer and "succeeds". A read
@@ -111,7 +118,8 @@ class PeerStores:
             return False
 
     def tell_all(self, addresses: Iterable[str], key: str, value: str | bytes,
-                 abandon: Callable[[], Iterable[str]] = tuple) -> set[str]:
+                 abandon: Callable[[], Iterable[str]] = tuple,
+                 keep: Callable[[bytes, bytes], bool] | None = None) -> set[str]:
         """Set ``key`` in every store at once; the addresses where it was set. A call
         still under way to an address in ``abandon()`` (the members the failure detector
         suspects now) is not waited for: a process dying with its host up takes
@@ -122,7 +130,7 @@ class PeerStores:
         lock = threading.Lock()
 
         def one(address: str) -> None:
-            if self.tell(address, key, value):
+            if self.tell(address, key, value, keep):
                 with lock:
                     told.add(address)
 

@@ -225,10 +225,11 @@ def test_a_member_that_takes_the_call_and_falls_silent_is_not_waited_for() -> No
 
 
 def test_a_member_that_kept_the_call_of_the_coordinator_that_yields_follows_the_winner() -> None:
-    """B and C call at once; A keeps C's call (the newer one in its single notice key), C
-    yields to B (the smaller id). A is sent on to B and arrives there: the world re-forms
-    with all three at once, not without A after B's arrival timeout (found by the fault
-    campaign: a worker kill re-formed the world without a node, 10 s later)."""
+    """B and C call at once; C yields to B (the smaller id); A, called by both, keeps B's
+    call, and had it kept C's (a member's key held the last call before callers compared
+    theirs), C's redirect would send it on to B. The world re-forms with all three at
+    once, not without A after B's arrival timeout (found by the fault campaign: a worker
+    kill re-formed the world without a node, 10 s later)."""
     network, job = Network(), MemoryStore()
     base = world(A, B, C)
     coordinators = agents(network, job, base, A, B, C)
@@ -236,10 +237,10 @@ def test_a_member_that_kept_the_call_of_the_coordinator_that_yields_follows_the_
         c.arrive_seconds = c.follow_seconds = 5.0
     results: dict[str, Outcome] = {}
 
-    def wait_for_notice(by: str) -> None:
+    def wait_for_notice(by: str, at: str = A) -> None:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            raw = coordination.local_value(network.store(A), coordination.NOTICE_KEY)
+            raw = coordination.local_value(network.store(at), coordination.NOTICE_KEY)
             if raw is not None and Notice.decode(raw).coordinator == by:
                 return
             time.sleep(0.005)
@@ -251,7 +252,8 @@ def test_a_member_that_kept_the_call_of_the_coordinator_that_yields_follows_the_
     wait_for_notice(B)
     c = threading.Thread(target=lambda: results.__setitem__(C, reform(coordinators[C], job)))
     c.start()
-    wait_for_notice(C)  # A's key now holds C's call only
+    wait_for_notice(C, at=B)  # C has called
+    wait_for_notice(B)  # and A's key still holds B's call
     a = threading.Thread(target=member, args=(coordinators[A], job, results))
     a.start()
     for thread in (a, b, c):
@@ -262,3 +264,48 @@ def test_a_member_that_kept_the_call_of_the_coordinator_that_yields_follows_the_
     assert {p.agents for p in plans.values()} == {(A, B, C)}
     assert {p.generation for p in plans.values()} == {base.generation + 1}  # B's, at once
     assert took < 2.0, took  # not B's 5 s arrival timeout
+
+
+def test_three_agents_calling_at_once_all_follow_the_smallest_whatever_the_order() -> None:
+    """Found by the fault campaign (seed 306): after a worker kill all three agents called
+    at once. Each member's notice key kept the last call that reached it: A's call to B
+    was overwritten by C's (which B, smaller than C, ignores), so B never learnt of A and
+    waited for arrivals as a rival coordinator, while A waited for B; 10 s later A went on
+    alone, B and C left out. Callers now keep the smallest id's call in each key."""
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B, C)
+    for c in coordinators.values():
+        c.arrive_seconds = c.follow_seconds = 5.0
+    results: dict[str, Outcome] = {}
+
+    def called(at: str, by: str) -> bool:
+        raw = coordination.local_value(network.store(at), coordination.NOTICE_KEY)
+        return raw is not None and Notice.decode(raw).coordinator == by
+
+    def start(who: str) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.__setitem__(
+            who, reform(coordinators[who], job)))
+        thread.start()
+        return thread
+
+    started = time.monotonic()
+    threads = [start(A)]
+    deadline = time.monotonic() + 5
+    while not (called(B, A) and called(C, A)):  # A's call reached both
+        assert time.monotonic() < deadline, "A's call never arrived"
+        time.sleep(0.005)
+    threads.append(start(C))  # C's call reaches B after A's
+    deadline = time.monotonic() + 5
+    while not coordination.local_value(network.store(A), coordination.NOTICE_KEY):
+        assert time.monotonic() < deadline, "C's call never arrived"
+        time.sleep(0.005)
+    assert called(B, A)  # B's key keeps A's call, not C's that came after it
+    threads.append(start(B))
+    for thread in threads:
+        thread.join(10)
+    took = time.monotonic() - started
+    plans = {who: out[0] for who, out in results.items() if isinstance(out, tuple)}
+    assert set(plans) == {A, B, C}, results
+    assert {p.agents for p in plans.values()} == {(A, B, C)}
+    assert took < 2.5, took  # no one waited out a 5 s arrival timeout
