@@ -11,12 +11,16 @@ import threading
 from typing import NoReturn
 
 _left_in_c: list[threading.Thread] = []
+_noting = threading.Lock()
 
 
 def left_in_c(thread: threading.Thread) -> None:
-    """Note a daemon thread left waiting inside a C++ call that may never return (a torch
-    store client waiting on a silent peer: live_peers.bounded)."""
-    _left_in_c.append(thread)
+    """Note a daemon thread that may be left waiting inside a C++ call that may never
+    return (a torch store client waiting on a silent peer: live/peers.bounded); those
+    that ended since are dropped."""
+    with _noting:
+        _left_in_c[:] = [t for t in _left_in_c if t.is_alive()]
+        _left_in_c.append(thread)
 
 
 def exit_process(code: int) -> NoReturn:

@@ -177,9 +177,13 @@ def bounded(call: Callable[[], T], seconds: float) -> T:
 
     thread = threading.Thread(target=run, name="peer-store-call", daemon=True)
     thread.start()
+    # Noted at once: a caller may stop waiting for it before ``seconds`` (tell_all gives
+    # up on a suspected member), and a process that exits while it is inside torch's
+    # client must end at once, not run its shutdown beside it (its retries' C++ lines
+    # came after the agent's last line; at worst the shutdown aborts).
+    left_in_c(thread)
     thread.join(seconds)
     if thread.is_alive():
-        left_in_c(thread)
         raise TimeoutError(f"no answer within {seconds:g} s")
     if error:
         raise error[0]
