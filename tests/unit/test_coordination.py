@@ -224,17 +224,24 @@ def test_a_member_that_takes_the_call_and_falls_silent_is_not_waited_for() -> No
     assert isinstance(results.get(B), tuple) and results[B][0] == outcome[0]
 
 
+def patient_world() -> tuple[Network, MemoryStore, Plan, dict[str, Coordinator]]:
+    """A, B and C applying one plan, each waiting 5 s for arrivals and plans (a test that
+    finishes well within that shows nobody waited one out)."""
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B, C)
+    for c in coordinators.values():
+        c.arrive_seconds = c.follow_seconds = 5.0
+    return network, job, base, coordinators
+
+
 def test_a_member_that_kept_the_call_of_the_coordinator_that_yields_follows_the_winner() -> None:
     """B and C call at once; C yields to B (the smaller id); A, called by both, keeps B's
     call, and had it kept C's (a member's key held the last call before callers compared
     theirs), C's redirect would send it on to B. The world re-forms with all three at
     once, not without A after B's arrival timeout (found by the fault campaign: a worker
     kill re-formed the world without a node, 10 s later)."""
-    network, job = Network(), MemoryStore()
-    base = world(A, B, C)
-    coordinators = agents(network, job, base, A, B, C)
-    for c in coordinators.values():
-        c.arrive_seconds = c.follow_seconds = 5.0
+    network, job, base, coordinators = patient_world()
     results: dict[str, Outcome] = {}
 
     def wait_for_notice(by: str, at: str = A) -> None:
@@ -272,11 +279,7 @@ def test_three_agents_calling_at_once_all_follow_the_smallest_whatever_the_order
     was overwritten by C's (which B, smaller than C, ignores), so B never learnt of A and
     waited for arrivals as a rival coordinator, while A waited for B; 10 s later A went on
     alone, B and C left out. Callers now keep the smallest id's call in each key."""
-    network, job = Network(), MemoryStore()
-    base = world(A, B, C)
-    coordinators = agents(network, job, base, A, B, C)
-    for c in coordinators.values():
-        c.arrive_seconds = c.follow_seconds = 5.0
+    network, job, _, coordinators = patient_world()
     results: dict[str, Outcome] = {}
 
     def called(at: str, by: str) -> bool:
