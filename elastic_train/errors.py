@@ -162,6 +162,22 @@ class RendezvousStoreLostError(ElasticTrainError):
     re-form without it."""
 
 
+class RoundMemberLostError(ElasticTrainError):
+    """A member of a closed rendezvous round did not take its worker ranks in time (lost
+    right after the round closed): the agent goes into the next round without it
+    (agent/round_ranks.py)."""
+
+    def __init__(self, missing: list[int], members: int, seconds: float) -> None:
+        self.missing = list(missing)
+        """The members' ranks in the round (known to its rank 0 only; empty elsewhere)."""
+        super().__init__(
+            f"member(s) {self.missing} of a rendezvous round of {members} did not take "
+            f"their worker ranks within {seconds:g} s (lost right after the round closed)"
+            if self.missing else
+            f"the rendezvous round of {members} did not assign this node's worker ranks "
+            f"within {seconds:g} s (a member was lost right after the round closed)")
+
+
 class StorageError(ElasticTrainError):
     """The object store a run directory names failed an operation (checkpoint/object_store.py)."""
 

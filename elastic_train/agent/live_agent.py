@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -60,7 +61,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
     RunResult,
+    Worker,
     WorkerGroup,
+    WorkerSpec,
     WorkerState,
 )
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -72,6 +75,7 @@ from elastic_train.agent.holder_directory import HolderDirectory
 from elastic_train.agent.job_store import ACROSS_NODES, job_store
 from elastic_train.agent.live_node import LiveNode
 from elastic_train.agent.live_options import C10D_JOIN_TIMEOUT, LiveOptions
+from elastic_train.agent.round_ranks import assign_round_ranks, rendezvous_until_ranked
 from elastic_train.agent.snapshot_holder import SnapshotHolder
 from elastic_train.agent.store_watch import end_if_store_lost
 from elastic_train.agent.torch_seams import TorchAgent, agent_class_replaced
@@ -92,6 +96,7 @@ from elastic_train.rendezvous.forget import (
     defer_lease_losses,
     forget_nodes,
     rendezvous_node_id,
+    round_node_ids,
 )
 
 __all__ = ["ACROSS_NODES", "LiveOptions", "LiveRecoveryAgent", "PerWorkerProcesses",
@@ -439,6 +444,27 @@ class LiveRecoveryAgent(TorchAgent):
                           workers if isinstance(workers, PerWorkerProcesses) else None,
                           self.options.store_lost_seconds,
                           self.get_worker_group().spec.rdzv_handler.get_run_id())
+
+    # ---- rendezvous rounds -------------------------------------------------------------------
+    def rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch's round, and the next one when a member was lost right after it closed
+        (agent/round_ranks.py): rank 0 removes that member from the rendezvous first."""
+        handler = worker_group.spec.rdzv_handler
+        rendezvous_until_ranked(
+            lambda: self.torch_rendezvous(worker_group),
+            lambda ranks: forget_nodes(handler, round_node_ids(handler, ranks)))
+
+    def assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
+                            spec: WorkerSpec) -> list[Worker]:
+        """torch's numbering, its waits bounded (agent/round_ranks.py)."""
+        if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":  # no store: torch's
+            return super().assign_worker_ranks(store, group_rank, group_world_size, spec)
+        r = assign_round_ranks(store, group_rank, group_world_size, spec.role,
+                               spec.local_world_size)
+        return [Worker(local_rank=i, global_rank=r.base_global_rank + i,
+                       role_rank=r.base_role_rank + i, world_size=r.global_world_size,
+                       role_world_size=r.role_world_size)
+                for i in range(spec.local_world_size)]
 
     # ---- plans and torch's worker group -----------------------------------------------------
     def _adopt(self, worker_group: WorkerGroup, plan: Plan, raw: bytes) -> None:

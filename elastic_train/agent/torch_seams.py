@@ -7,8 +7,9 @@ rendezvous/ touches one).
 The rest of the agent side calls these functions and classes, never torch's private names:
 
 - ``TorchAgent``: torch's ``LocalElasticAgent`` with its private hooks under public names
-  (``start_workers``, ``monitor_workers``, ``restart_workers``, ``stop_workers``; torch's
-  own behaviour as ``torch_start_workers`` ...), for agent/live_agent.py to override;
+  (``start_workers``, ``monitor_workers``, ``restart_workers``, ``stop_workers``,
+  ``rendezvous``, ``assign_worker_ranks``; torch's own behaviour as
+  ``torch_start_workers`` ...), for agent/live_agent.py to override;
 - replacements of torch globals, each a context manager that puts the original back:
   ``agent_class_replaced`` (the launcher's agent), ``start_processes_replaced`` (how the
   local agent starts its workers), ``rendezvous_store_replaced`` (the c10d backend's
@@ -28,7 +29,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import PContext
@@ -58,9 +59,14 @@ REQUIRED: tuple[Private, ...] = (
     Private(_LOCAL, "LocalElasticAgent._stop_workers", "overridden and called by "
             "TorchAgent (stop_workers, torch_stop_workers): the agent's own stops of its "
             "workers (a restart, restarts spent), not a signal's", params=("worker_group",)),
-    Private(_LOCAL, "LocalElasticAgent._rendezvous", "to join a round while the workers "
-            "run (TorchAgent.rendezvous); also the name of the metric rendezvous/timing.py "
-            "reads", params=("worker_group",)),
+    Private(_LOCAL, "LocalElasticAgent._rendezvous", "overridden and called by TorchAgent "
+            "(rendezvous, torch_rendezvous): to join a round while the workers run, and to "
+            "go into the next round when a member was lost; also the name of the metric "
+            "rendezvous/timing.py reads", params=("worker_group",)),
+    Private(_LOCAL, "LocalElasticAgent._assign_worker_ranks", "overridden by TorchAgent "
+            "(assign_worker_ranks): the ranks of a closed round, bounded "
+            "(agent/round_ranks.py)",
+            params=("store", "group_rank", "group_world_size", "spec")),
     Private(_LOCAL, "LocalElasticAgent._pcontext", "for the workers' process context "
             "(TorchAgent.process_context)"),
     Private(_LOCAL, "LocalElasticAgent._remaining_restarts", "for the restart count of the "
@@ -139,9 +145,27 @@ class TorchAgent(LocalElasticAgent):
                            ) -> None:
         super()._stop_workers(worker_group, *args, **kwargs)
 
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self.rendezvous(worker_group)
+
+    def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
+                             spec: WorkerSpec) -> list[Worker]:
+        return self.assign_worker_ranks(store, group_rank, group_world_size, spec)
+
     def rendezvous(self, worker_group: WorkerGroup) -> None:
-        """Join a new rendezvous round (torch's, timed by its metric)."""
-        self._rendezvous(worker_group)
+        """Join a new rendezvous round (where torch's agent does, and while the workers
+        run): torch's by default."""
+        self.torch_rendezvous(worker_group)
+
+    def torch_rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous of the agent (timed by its metric), ranks assigned by
+        ``assign_worker_ranks``."""
+        super()._rendezvous(worker_group)
+
+    def assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
+                            spec: WorkerSpec) -> list[Worker]:
+        """The workers of this member of a closed round, numbered: torch's by default."""
+        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
     @property
     def process_context(self) -> PContext | Any:

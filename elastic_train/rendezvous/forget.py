@@ -37,6 +37,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 from elastic_train.agent.torch_seams import (
     heartbeat_lock,
     remove_expired_nodes,
+    rendezvous_state,
     state_holder,
     this_node,
 )
@@ -62,6 +63,24 @@ def rendezvous_node_id(handler: RendezvousHandler) -> str:
                     "rendezvous when their heartbeats expire", type(handler).__name__,
                     type(exc).__name__, exc)
         return ""
+
+
+def round_node_ids(handler: RendezvousHandler, group_ranks: Collection[int]) -> list[str]:
+    """The nodes (as ``forget_nodes`` takes them) holding ``group_ranks`` in the round
+    ``handler`` last closed: torch's dynamic rendezvous only (its next round waits for every
+    member of this one); [] for any other handler (the lease design's next round waits for
+    no old member)."""
+    if state_holder(handler) is None:
+        return []
+    try:
+        participants = rendezvous_state(handler).participants
+        wanted = set(group_ranks)
+        return sorted(repr(node) for node, rank in participants.items() if rank in wanted)
+    except Exception as exc:  # only a shortcut depends on it
+        log.warning("could not tell the rendezvous nodes of ranks %s (%s: %s): they leave "
+                    "it when their heartbeats expire", sorted(group_ranks),
+                    type(exc).__name__, exc)
+        return []
 
 
 def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str],

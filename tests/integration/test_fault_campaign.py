@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,8 @@ pytestmark = pytest.mark.slow
 
 Factory = Callable[..., nb.Netbed]
 SEED = int(os.environ.get("ET_CAMPAIGN_SEED", "11"))
+REPO = Path(__file__).resolve().parents[2]
+LOST_MEMBER = REPO / "tests" / "integration" / "lost_member.py"
 
 
 def campaign(netbed: Factory, tmp_path: Path, setup: Setup, schedule: Schedule,
@@ -134,6 +137,54 @@ def test_a_worker_killed_while_a_node_waits_to_join_re_forms_the_full_world(
     assert first is not None and first["world_size"] == 3, (first, run.report_nodes())
     assert first["time"] - killed_at < 8.0, (first["time"] - killed_at, run.report_nodes())
     run.finish()
+    assert_clean(run)
+
+
+def test_c10d_a_node_lost_right_after_a_round_closed_costs_one_bounded_wait_not_the_job(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by c10d seed 403 (a host killed just as it rejoined), made deterministic: a
+    node (torch's own handler, on node C's host) joins the round the others go into for it,
+    and ends the moment the round closed, before it writes its role. torch's rank
+    assignment waited 60 s for it in one blocking store call, which held the c10d client:
+    no heartbeat went out, the node that came back meanwhile formed a world of its own, and
+    every agent ended with DistStoreError. Now rank 0 names it after a bounded wait, the
+    round's members go into the next round without it while their workers train on, and
+    the node that comes back finds the full world."""
+    setup = Setup(backend="c10d")
+    bed = netbed(setup.names, etcd=False)
+    run = Campaign(bed, setup, tmp_path)
+    run.start()
+    run._end_expected("node-c", "killed")
+    left_at = bed.host("node-c").kill()
+    assert run._wait(lambda: run._step_at_world(2, left_at), 60), run.report_nodes()
+    workers = {name: run._worker_pid(name, 0) for name in ("node-a", "node-b")}
+    c = bed.host("node-c")
+    joined_at = time.time()
+    out = c.run([sys.executable, str(LOST_MEMBER), f"{bed.host('node-a').ip}:29400",
+                 run.rdzv_id, "3", c.ip], timeout=120).stdout
+    assert '"world_size": 3' in out, out
+    run.start_agent("node-c")
+    assert run._wait(lambda: run._step_at_world(3, joined_at), 120), run.report_nodes()
+    assert not run.violations, "\n".join(map(str, run.violations)) + run.report_nodes()
+    a = run.agents["node-a"].node.output()
+    assert "member(s) [2] of a rendezvous round of 3 did not take their worker ranks within " \
+           "10 s (lost right after the round closed): this node goes into the next " \
+           "rendezvous round" in a, run.report_nodes()
+    # the members' workers trained on through both rounds (never stopped, never restarted)
+    assert {name: run._worker_pid(name, 0) for name in workers} == workers
+    run.finish()
+    assert_clean(run)
+
+
+@pytest.mark.extended
+def test_replay_c10d_a_host_killed_as_it_rejoined_ends_nothing(netbed: Factory,
+                                                              tmp_path: Path) -> None:
+    """c10d seed 403, replayed: its schedule ended every agent (exit 1, DistStoreError)
+    60 s after node C was killed right after the round it rejoined closed."""
+    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-c10d-builtin-ddp-"
+                                "2026-11-28" / "seed-403.json").read_text())
+    run = campaign(netbed, tmp_path, Setup(backend="c10d"), schedule)
+    show(run)
     assert_clean(run)
 
 

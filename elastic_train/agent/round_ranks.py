@@ -1,0 +1,127 @@
+"""Worker ranks of a rendezvous round, with a bound on the wait for its members.
+
+Once a round closed, torch's agent (``SimpleElasticAgent._assign_worker_ranks``) has every
+member write its role and local world size to the round's store; the round's rank 0 reads
+them all, numbers the workers, and writes each member its ranks. Both waits are blocking
+store calls bounded only by the store's timeout (60 s on c10d), and on c10d's
+``TCPStore`` a blocking call holds the client for its whole length: the rendezvous'
+heartbeats, sent through the same client, stop too.
+
+So a member lost right after the round closed (killed before it wrote its role) used to
+end the job: the others waited 60 s with no heartbeat, a node that came back meanwhile
+took them for dead and formed a world of its own, and every agent then failed with
+``DistStoreError`` (the fault campaign, c10d seed 403). Here the same keys and values are
+written and read (a round may hold torch's own agents), but each wait polls the keys
+within ``MEMBERS_SECONDS``, the client free between polls; a member missing by then raises
+``RoundMemberLostError`` and the agent goes into the next round without it
+(agent/live_agent.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from elastic_train.errors import RoundMemberLostError
+
+log = logging.getLogger(__name__)
+
+ROLE_INFO_PREFIX = "torchelastic/role_info/"
+ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
+MEMBERS_SECONDS = 10.0
+"""How long a member of a closed round waits for the others' roles (rank 0) or for its
+ranks (the others). Members leave a closed round within about a second of each other (the
+rendezvous is polled every second); a member still missing after this was lost."""
+_POLL_FIRST, _POLL_MAX = 0.02, 0.25
+
+
+@dataclass(frozen=True)
+class RoundRanks:
+    """This member's first worker ranks and the sizes they belong to."""
+
+    base_global_rank: int
+    global_world_size: int
+    base_role_rank: int
+    role_world_size: int
+
+
+def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int, role: str,
+                       local_world_size: int, seconds: float = MEMBERS_SECONDS
+                       ) -> RoundRanks:
+    """torch's rank assignment of a closed round (same keys, same values), each wait
+    bounded by ``seconds``; ``RoundMemberLostError`` names the members still missing
+    (rank 0; the others cannot tell who is)."""
+    deadline = time.monotonic() + seconds
+    store.set(f"{ROLE_INFO_PREFIX}{group_rank}", json.dumps(
+        {"role": role, "rank": group_rank, "local_world_size": local_world_size}).encode())
+    if group_rank == 0:
+        keys = [f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)]
+        missing = _wait_for(store, keys, deadline)
+        if missing:
+            raise RoundMemberLostError(
+                [int(k[len(ROLE_INFO_PREFIX):]) for k in missing], group_world_size, seconds)
+        store.multi_set(*_assigned(group_world_size, store.multi_get(keys)))
+    mine = f"{ASSIGNED_RANKS_PREFIX}{group_rank}"
+    if _wait_for(store, [mine], deadline):
+        raise RoundMemberLostError([], group_world_size, seconds)
+    return RoundRanks(*json.loads(store.get(mine)))
+
+
+def _assigned(group_world_size: int, infos: list[bytes]) -> tuple[list[str], list[str]]:
+    """Rank 0's numbering of every member's workers, as torch's agent writes it."""
+    roles = [json.loads(info) for info in infos]
+    role_sizes: dict[str, int] = defaultdict(int)
+    for info in roles:
+        role_sizes[info["role"]] += info["local_world_size"]
+    global_size = sum(role_sizes.values())
+    keys, values = [], []
+    base, role_ranks = 0, defaultdict(int)
+    for i, info in enumerate(roles):
+        keys.append(f"{ASSIGNED_RANKS_PREFIX}{i}")
+        values.append(json.dumps([base, global_size, role_ranks[info["role"]],
+                                  role_sizes[info["role"]]]))
+        base += info["local_world_size"]
+        role_ranks[info["role"]] += info["local_world_size"]
+    assert len(keys) == group_world_size
+    return keys, values
+
+
+def _wait_for(store: dist.Store, keys: list[str], deadline: float) -> list[str]:
+    """Poll until every key of ``keys`` exists or ``deadline``; the keys still missing."""
+    pause = _POLL_FIRST
+    while True:
+        if store.check(keys):
+            return []
+        if time.monotonic() >= deadline:
+            return [k for k in keys if not store.check([k])]
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, _POLL_MAX)
+
+
+ROUND_ATTEMPTS = 10
+"""Rounds in a row an agent goes into when each loses a member right after it closed,
+before it gives up (each costs ``MEMBERS_SECONDS``)."""
+
+
+def rendezvous_until_ranked(join: Callable[[], None], lost: Callable[[list[int]], None],
+                            attempts: int = ROUND_ATTEMPTS) -> None:
+    """``join()`` (a rendezvous round, then the ranks of its workers) until a round keeps
+    every member through its rank assignment: after a ``RoundMemberLostError``,
+    ``lost(group_ranks)`` where rank 0 named the members it missed, then the next round.
+    Raises the last error after ``attempts`` rounds."""
+    for attempt in range(1, attempts + 1):
+        try:
+            join()
+            return
+        except RoundMemberLostError as exc:
+            if attempt == attempts:
+                raise
+            log.warning("%s: this node goes into the next rendezvous round", exc)
+            if exc.missing:
+                lost(exc.missing)

@@ -1,0 +1,143 @@
+"""agent/round_ranks.py on a real TCPStore: the ranks of a closed round as torch numbers
+them (torch's own agent can sit in the same round), and a member lost right after the round
+closed costs a bounded wait that leaves the store's client free, not 60 s of a blocked
+client (the fault campaign, c10d seed 403)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
+
+from elastic_train.agent.round_ranks import (
+    RoundRanks,
+    assign_round_ranks,
+    rendezvous_until_ranked,
+)
+from elastic_train.errors import RoundMemberLostError
+
+
+def server() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=60))
+
+
+def client(of: dist.TCPStore, prefix: str = "round.1") -> dist.Store:
+    """A member's view of the round: a client of its own, under the round's prefix."""
+    return dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", of.port, is_master=False,
+                                                  timeout=timedelta(seconds=60)))
+
+
+def in_threads(calls: list[Callable[[], Any]]) -> list[Any]:
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except Exception as exc:  # the test reads it
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    return results
+
+
+def test_members_of_a_round_get_torch_s_numbering_by_role_and_local_world_size() -> None:
+    store = server()
+    sizes = [2, 1, 3]
+    got = in_threads([lambda i=i: assign_round_ranks(client(store), i, 3, "trainer",
+                                                     sizes[i], 10.0) for i in range(3)])
+    assert got == [RoundRanks(0, 6, 0, 6), RoundRanks(2, 6, 2, 6), RoundRanks(3, 6, 3, 6)]
+
+
+def test_torch_s_own_agent_and_ours_number_the_same_round_together() -> None:
+    """Same keys, same values: a round may hold a plain torchrun agent (as rank 0 here)."""
+    store = server()
+
+    def torch_member() -> list[Any]:
+        spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=None,  # type: ignore[arg-type]
+                          entrypoint="x")
+        return SimpleElasticAgent._assign_worker_ranks(  # type: ignore[misc]
+            object(), client(store), 0, 2, spec)  # type: ignore[arg-type]
+
+    theirs, ours = in_threads([torch_member, lambda: assign_round_ranks(
+        client(store), 1, 2, "trainer", 3, 10.0)])
+    assert [(w.global_rank, w.world_size) for w in theirs] == [(0, 5), (1, 5)]
+    assert ours == RoundRanks(2, 5, 2, 5)
+
+
+def test_a_member_lost_right_after_the_round_closed_is_named_by_rank_0_within_the_bound(
+        ) -> None:
+    store = server()
+    member = client(store)
+    heartbeats: list[float] = []
+    done = threading.Event()
+
+    def heartbeat() -> None:  # the rendezvous' heartbeat thread, on the same client
+        while not done.is_set():
+            began = time.monotonic()
+            member.set("heartbeat", str(began))
+            heartbeats.append(time.monotonic() - began)
+            done.wait(0.05)
+
+    beating = threading.Thread(target=heartbeat)
+    began = time.monotonic()
+    rank_1 = threading.Thread(target=lambda: client(store).set(
+        "torchelastic/role_info/1", b'{"role": "r", "rank": 1, "local_world_size": 1}'))
+    rank_1.start()
+    beating.start()
+    try:
+        with pytest.raises(RoundMemberLostError) as caught:
+            assign_round_ranks(member, 0, 3, "r", 1, 1.5)
+    finally:
+        done.set()
+        beating.join(10)
+        rank_1.join(10)
+    took = time.monotonic() - began
+    assert caught.value.missing == [2]
+    assert str(caught.value) == ("member(s) [2] of a rendezvous round of 3 did not take "
+                                 "their worker ranks within 1.5 s (lost right after the "
+                                 "round closed)")
+    assert 1.5 <= took < 3.0, took
+    assert len(heartbeats) > 10 and max(heartbeats) < 0.5, heartbeats
+
+
+def test_a_member_whose_rank_0_was_lost_gives_up_within_the_bound_naming_no_one() -> None:
+    store = server()
+    began = time.monotonic()
+    with pytest.raises(RoundMemberLostError) as caught:
+        assign_round_ranks(client(store), 1, 2, "r", 1, 1.0)
+    assert caught.value.missing == []
+    assert "did not assign this node's worker ranks within 1 s" in str(caught.value)
+    assert time.monotonic() - began < 3.0
+
+
+def test_the_next_round_follows_a_lost_member_and_the_last_error_ends_the_tries() -> None:
+    errors = [RoundMemberLostError([2], 3, 10.0), RoundMemberLostError([], 3, 10.0)]
+    lost: list[list[int]] = []
+    joins: list[int] = []
+
+    def join() -> None:
+        joins.append(1)
+        if errors:
+            raise errors.pop(0)
+
+    rendezvous_until_ranked(join, lost.append)
+    assert len(joins) == 3 and lost == [[2]]
+
+    def never() -> None:
+        raise RoundMemberLostError([1], 2, 10.0)
+
+    with pytest.raises(RoundMemberLostError):
+        rendezvous_until_ranked(never, lost.append, attempts=3)
+    assert lost == [[2], [1], [1]]
