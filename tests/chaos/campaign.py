@@ -48,6 +48,9 @@ START_BOUND = 180.0
 FINAL_BOUND = 60.0
 """Seconds from the final SIGTERM to every agent's exit (the preemption budget, 25 s by
 default, and the agent's own shutdown)."""
+JOB_DEATH_WINDOW = 10.0
+"""Every node's agent ending by itself within this many seconds (each one started again as
+it ends) is the whole job ending."""
 SESSION_LOOP = Path(__file__).resolve().parents[1] / "integration" / "session_live_loop.py"
 BUILTIN_SAMPLES = 800
 """The built-in job's corpus, in 64-byte windows (``corpus_max_bytes``)."""
@@ -219,12 +222,14 @@ class Campaign:
     def _check_agents(self, fault: int | None) -> None:
         """Record every agent that ended without the campaign asking; a node whose agent
         ended is started again (the campaign goes on), unless the whole job ended."""
+        ended_now = False
         for agent in list(self.agents.values()):
             code = agent.node.proc.poll()
             if code is None or agent.ended_at is not None:
                 continue
             agent.ended_at, agent.code = time.time(), code
             if agent.expected is None:
+                ended_now = True
                 tail = agent.node.output().strip().splitlines()[-1:] or [""]
                 what = "an agent exited 0 before the job was done (a silent exit)" \
                     if code == 0 else f"an agent ended by itself with exit code {code}"
@@ -236,9 +241,26 @@ class Campaign:
             self.violations.append(Violation("the whole job ended by itself", fault,
                                              self._job_end_reason()))
             return
+        if not self._ended and ended_now and self._every_node_down(time.time()):
+            # each agent is started again as it ends: a job that died reads as nodes ending
+            # one after the other, within seconds (c10d seed 403: all three within 1.2 s)
+            self.job_died = True
+            self.violations.append(Violation(
+                f"the whole job ended by itself (every node's agent within "
+                f"{JOB_DEATH_WINDOW:g} s)", fault, self._job_end_reason()))
+            return
         for name, agent in list(self.agents.items()):
             if agent.ended_at is not None and agent.expected is None:
                 self.start_agent(name)  # an unexpected exit: its node comes back
+
+    def _every_node_down(self, now: float) -> bool:
+        """Whether no node carries the job: each one's agent is down now (killed by a fault,
+        or ended), or ended by itself within the last ``JOB_DEATH_WINDOW`` seconds (a new
+        one started since carries nothing of the job's running state)."""
+        down = {name for name, a in self.agents.items() if a.node.proc.poll() is not None}
+        down |= {a.host for a in self.lives if a.expected is None and a.ended_at is not None
+                 and now - a.ended_at <= JOB_DEATH_WINDOW}
+        return down >= set(self.setup.names)
 
     def _job_end_reason(self) -> str:
         for e in reversed(self.log.read()):

@@ -1,0 +1,81 @@
+"""tests/chaos/campaign.py's verdict on a job whose agents end one after the other: the
+campaign starts each node's agent again as it ends, so a job that died (c10d seed 403:
+all three agents ended with DistStoreError within 1.2 s) never shows "no agent alive"; every
+node's agent ending by itself within seconds is the whole job ending."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.chaos.campaign import JOB_DEATH_WINDOW, Agent, Campaign, Setup
+
+
+def process(alive: bool) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import time; time.sleep(60)" if alive else "raise SystemExit(1)"])
+    if not alive:
+        proc.wait(10)
+    return proc
+
+
+def agent(host: str, alive: bool, ended_ago: float | None = None) -> Agent:
+    node: Any = SimpleNamespace(proc=process(alive), output=lambda: "error: the end\n",
+                                log_path=Path(f"{host}.log"))
+    a = Agent(host, node, time.time() - 100)
+    if ended_ago is not None:
+        a.ended_at, a.code = time.time() - ended_ago, 1
+    return a
+
+
+@pytest.fixture
+def campaign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Campaign:
+    run = Campaign(None, Setup(), tmp_path)  # type: ignore[arg-type]
+    run.started: list[str] = []  # type: ignore[attr-defined]
+    monkeypatch.setattr(run, "start_agent", run.started.append)  # type: ignore[attr-defined]
+    return run
+
+
+def lives(run: Campaign, *agents: Agent) -> None:
+    for a in agents:
+        run.lives.append(a)
+        run.agents[a.host] = a
+
+
+def teardown(run: Campaign) -> None:
+    for a in run.lives:
+        if a.node.proc.poll() is None:
+            a.node.proc.kill()
+            a.node.proc.wait(10)
+
+
+def test_every_node_s_agent_ending_within_the_window_is_the_whole_job_ending(
+        campaign: Campaign) -> None:
+    first = agent("node-a", False, ended_ago=2.0)  # ended, and started again since
+    lives(campaign, first, agent("node-a", True), agent("node-b", False), agent("node-c", False))
+    try:
+        campaign._check_agents(fault=11)
+    finally:
+        teardown(campaign)
+    assert campaign.job_died
+    assert any(v.what.startswith("the whole job ended by itself (every node's agent within")
+               for v in campaign.violations), campaign.violations
+    assert campaign.started == []  # type: ignore[attr-defined]
+
+
+def test_nodes_ending_apart_are_nodes_ending_not_the_job(campaign: Campaign) -> None:
+    first = agent("node-a", False, ended_ago=JOB_DEATH_WINDOW + 5)
+    lives(campaign, first, agent("node-a", True), agent("node-b", False), agent("node-c", True))
+    try:
+        campaign._check_agents(fault=3)
+    finally:
+        teardown(campaign)
+    assert not campaign.job_died
+    assert [v.what for v in campaign.violations] == ["an agent ended by itself with exit code 1"]
+    assert campaign.started == ["node-b"]  # type: ignore[attr-defined]
