@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +24,18 @@ def small_disk(path: Path, size: str = "256m") -> Iterator[Path]:
                        timeout=30)
 
 
+FILL_AT_MOST = 1 << 30
+"""``fill`` refuses a file system with more room than this: the machine's own disk."""
+
+
 def fill(directory: Path) -> Path:
     """A ballast file in ``directory`` that takes every free byte of its file system
-    (unbuffered: nothing is left to flush when the disk refuses)."""
+    (unbuffered: nothing is left to flush when the disk refuses). Only on a small disk
+    (``small_disk``): ``ValueError`` when more than ``FILL_AT_MOST`` bytes are free."""
+    free = shutil.disk_usage(directory).free
+    if free > FILL_AT_MOST:
+        raise ValueError(f"{directory} has {free} bytes free: fill only a small_disk's run "
+                         "dir (a campaign with disk_full faults: disk=True)")
     ballast = directory / "ballast"
     with open(ballast, "wb", buffering=0) as f, contextlib.suppress(OSError):
         while True:

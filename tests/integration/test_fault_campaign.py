@@ -183,7 +183,7 @@ def test_replay_c10d_a_host_killed_as_it_rejoined_ends_nothing(netbed: Factory,
     60 s after node C was killed right after the round it rejoined closed."""
     schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-c10d-builtin-ddp-"
                                 "2026-11-28" / "seed-403.json").read_text())
-    run = campaign(netbed, tmp_path, Setup(backend="c10d"), schedule)
+    run = campaign(netbed, tmp_path, Setup(backend="c10d"), schedule, disk=True)
     show(run)
     assert_clean(run)
 
