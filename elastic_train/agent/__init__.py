@@ -7,10 +7,10 @@ launcher; ``worker_start`` starts the workers (a forkserver that imported torch 
 ``store_binding`` binds the agents' store where configured; ``live_agent`` re-forms the
 world in place when a worker or a node is lost (torch's hooks; the coordination it runs is
 ``elastic_train.live``'s; its parts: ``live_node``, ``job_store``, ``worker_messages``,
-``silent_peers``, ``worker_processes``, ``store_watch``, ``wake``); ``failure_detector``
-notices a silent peer node; ``exit_watch`` notices a worker's death at once; ``logs``
-shapes torch's agent log lines; ``snapshot_holder`` keeps the newest checkpoint in memory
-for the memory tier (its peers: ``holder_directory``).
+``silent_peers``, ``worker_processes``, ``store_watch``, ``wake``, ``round_ranks``);
+``failure_detector`` notices a silent peer node; ``exit_watch`` notices a worker's death at
+once; ``logs`` shapes torch's agent log lines; ``snapshot_holder`` keeps the newest
+checkpoint in memory for the memory tier (its peers: ``holder_directory``).
 
 Imports from ``elastic_train.worker`` only the entrypoints it launches (``train``,
 ``script_worker``); tests/unit/test_package_rules.py holds it to that.
