@@ -228,6 +228,7 @@ def preflight(config: JobConfig, nproc_per_node: str = "1", nnodes: str = "1") -
     metrics ports in use, replica groups that do not divide a world size of the job."""
     import torch
 
+    from elastic_train.agent.torch_seams import initialisation_skipped
     from elastic_train.checkpoint.storage import check_compatible, check_kind, tensor_shapes
     from elastic_train.observe.metrics import check_single_process_mode
     from elastic_train.observe.metrics_server import check_ports_free
@@ -243,8 +244,8 @@ def preflight(config: JobConfig, nproc_per_node: str = "1", nnodes: str = "1") -
     run_dir = RunDir(config.run_dir, config.storage).prepare()
     task = load_task(config.train.task, TaskContext(config.train.task_options,
                                                     config.train.seed, config.run_dir))
-    try:
-        with torch.device("meta"):
+    try:  # shapes only: no weights, no initialisation (torch_seams.initialisation_skipped)
+        with torch.device("meta"), initialisation_skipped():
             shapes = tensor_shapes(task.build_model().state_dict())
     except Exception as exc:  # a model that cannot be built on meta: the workers will check
         log.debug("skipping the checkpoint pre-check: %s", exc)

@@ -18,7 +18,9 @@ The rest of the agent side calls these functions and classes, never torch's priv
 - the dynamic rendezvous' internals: ``JudgingStateHolder`` (its state holder, with a say
   in judging nodes dead), ``rendezvous_state``, ``this_node``, ``new_node_descriptor``,
   ``state_holder``, ``heartbeat_lock``, ``remove_expired_nodes``;
-- ``worker_logs_specs``: a ``DefaultLogsSpecs`` for one worker of another's.
+- ``worker_logs_specs``: a ``DefaultLogsSpecs`` for one worker of another's;
+- ``initialisation_skipped``: ``torch.nn.init``'s functions replaced by no-ops while a model
+  is built on the meta device for its shapes.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic_train.torch_private import Private
 
 __all__ = ["REQUIRED", "JudgingStateHolder", "TorchAgent", "agent_class_replaced",
-           "finished_workers_released_on_close", "heartbeat_lock", "new_node_descriptor",
+           "finished_workers_released_on_close", "heartbeat_lock", "initialisation_skipped",
+           "new_node_descriptor",
            "process_start_wrapped", "remove_expired_nodes", "rendezvous_state",
            "rendezvous_store_replaced", "start_processes_replaced", "state_holder",
            "this_node", "worker_logs_specs"]
@@ -220,6 +223,35 @@ def worker_logs_specs(specs: LogsSpecs, local_rank: int) -> LogsSpecs:
     return DefaultLogsSpecs(log_dir=log_dir,
                             redirects=of_this_worker(getattr(specs, "_redirects", Std.NONE)),
                             tee=of_this_worker(getattr(specs, "_tee", Std.NONE)))
+
+
+# ---- building a model for its shapes -------------------------------------------------------
+INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                  "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                  "kaiming_normal_", "orthogonal_", "sparse_")
+"""``torch.nn.init``'s in-place initialisations (``initialisation_skipped``)."""
+
+
+@contextlib.contextmanager
+def initialisation_skipped() -> Iterator[None]:
+    """While the block runs, ``torch.nn.init``'s initialisations leave their tensor as it
+    is. For a model built on the meta device for its shapes only (the launcher's pre-check
+    of a checkpoint): there they compute nothing, but the first one imports torch's
+    reference implementations (``torch._refs`` and what they need), 2.5 s of an agent's
+    start-up on a loaded 2-core machine, paid again by every node that joins."""
+    import torch.nn.init as init
+
+    def left_as_is(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    saved = {name: getattr(init, name) for name in INIT_FUNCTIONS if hasattr(init, name)}
+    for name in saved:
+        setattr(init, name, left_as_is)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(init, name, function)
 
 
 # ---- process contexts ----------------------------------------------------------------------

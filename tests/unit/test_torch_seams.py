@@ -67,3 +67,27 @@ def test_the_worker_uses_torch_privates_only_through_its_seam() -> None:
     bad = "ddp.reducer._remove_autograd_hooks()\nx = dist.distributed_c10d._world\n"
     assert private_torch_uses(bad, names) == ["ddp.reducer._remove_autograd_hooks (line 1)",
                                               "dist.distributed_c10d._world (line 2)"]
+
+
+def test_a_model_built_for_its_shapes_skips_only_the_initialisation() -> None:
+    """The launcher's pre-check builds the model on meta with ``torch.nn.init`` left out
+    (agent/torch_seams.initialisation_skipped): every function it replaces exists in this
+    torch, the shapes and dtypes are those of the model built for real, and the functions
+    are torch's again afterwards."""
+    import torch
+    import torch.nn.init as init
+
+    from elastic_train.agent.torch_seams import INIT_FUNCTIONS, initialisation_skipped
+    from elastic_train.checkpoint.storage import tensor_shapes
+    from elastic_train.tasks.base import TaskContext
+    from elastic_train.tasks.loader import load_task
+
+    assert [n for n in INIT_FUNCTIONS if not callable(getattr(init, n, None))] == []
+    originals = {n: getattr(init, n) for n in INIT_FUNCTIONS}
+    task = load_task("gpt", TaskContext({"corpus_max_bytes": "20000"}, 0, Path("/nonexistent")))
+    with torch.device("meta"), initialisation_skipped():
+        assert init.normal_ is not originals["normal_"]
+        skipped = tensor_shapes(task.build_model().state_dict())
+    assert {n: getattr(init, n) for n in INIT_FUNCTIONS} == originals
+    assert skipped == tensor_shapes(task.build_model().state_dict())
+    assert len(skipped) > 10
