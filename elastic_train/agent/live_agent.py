@@ -95,6 +95,7 @@ from elastic_train.live.plan import LIVE, Arrival, Plan
 from elastic_train.rendezvous.forget import (
     defer_lease_losses,
     forget_nodes,
+    leave_open,
     rendezvous_node_id,
     round_node_ids,
 )
@@ -169,15 +170,20 @@ class LiveRecoveryAgent(TorchAgent):
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
             result = super().run(role)
+            return self._never_success_by_mistake(result)
         except SignalException as exc:  # what the launcher says depends on what followed
             exc.node_left_at = self._left_at()  # type: ignore[attr-defined]
+            raise
+        except Exception:
+            # this node's error, not the job's end: torch's launcher would close the
+            # rendezvous, and every other node with it (rendezvous/forget.py)
+            leave_open(self.get_worker_group().spec.rdzv_handler)
             raise
         finally:
             self._exits.close()
             if self._node is not None:
                 self._node.close()
             self._wake.close(self._node.store if self._node is not None else None)
-        return self._never_success_by_mistake(result)
 
     def _never_success_by_mistake(self, result: RunResult | None) -> RunResult:
         """Only workers that all finished make a success: torch returns the last result

@@ -18,7 +18,9 @@ The lease design of etcd-v3 (lease_handler.py) needs none of this to form its ne
 other's leases: every agent tells its own handler which members live recovery left out,
 so that their leases expiring later does not re-form a world they are no longer in.
 
-Handlers offer this through two calls, ``rendezvous_node_id`` and ``forget_nodes``; a
+An agent that ends with an error leaves the rendezvous open for the others
+(``leave_open``). Handlers offer the rest through two calls, ``rendezvous_node_id`` and
+``forget_nodes``; a
 handler of our own may define methods of those names, torch's dynamic handler is served
 here, and any other handler forgets nothing (its nodes expire as they always did). A
 handler with a ``lost_grace`` attribute (the lease design) also lets live recovery's
@@ -141,6 +143,29 @@ def _forget(holder: Any, wanted: set[str]) -> list[str]:
     log.warning("could not remove the lost node(s) %s from the rendezvous in %d attempts: "
                 "they leave it when their heartbeats expire", sorted(wanted), FORGET_ATTEMPTS)
     return []
+
+
+def leave_open(handler: RendezvousHandler) -> None:
+    """Make ``handler.shutdown()`` leave the rendezvous open for the other nodes: torch's
+    launcher calls it whenever its agent ends with an error, and closing the rendezvous
+    there ends every node of the job ("a job with this --rdzv-id already finished"), one
+    node's error made the job's (the fault campaign, etcd-v3 seed 512: two agents ended
+    with a store timeout, and every agent started again after them was refused). A handler
+    with ``leave`` (etcd-v3's lease design) leaves at once; torch's dynamic handler lets
+    this node's heartbeats expire (live recovery's ``forget_nodes`` removes it sooner)."""
+    leave = getattr(handler, "leave", None)
+
+    def shutdown() -> bool:
+        if callable(leave):
+            try:
+                leave()
+            except Exception as exc:  # its lease expires instead
+                log.warning("could not leave rendezvous %s at once (%s: %s): this node's "
+                            "lease expires instead", handler.get_run_id(),
+                            type(exc).__name__, exc)
+        return True
+
+    handler.shutdown = shutdown  # type: ignore[method-assign]
 
 
 def defer_lease_losses(handler: RendezvousHandler, seconds: float) -> bool:

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
+import torch.distributed as dist
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -54,6 +55,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_train.agent.environment import set_rendezvous_seconds
+from elastic_train.errors import RoundMemberLostError
 from elastic_train.rendezvous.backend import BACKEND_NAME
 from elastic_train.rendezvous.client import (
     KV,
@@ -75,6 +77,11 @@ log = logging.getLogger(__name__)
 _POLL = 1.0  # seconds a wait blocks on a watch before it checks its deadline again
 
 T = TypeVar("T")
+
+
+STORE_INFO_SECONDS = 10.0
+"""How long a member waits for the address rank 0 writes as it learns the world (the same
+bound as agent/round_ranks.py's for the worker ranks that follow)."""
 
 
 def new_node_id(local_addr: str | None) -> str:
@@ -146,20 +153,28 @@ class LeaseRendezvousHandler(RendezvousHandler):
         set_rendezvous_seconds(time.monotonic() - started)
         rank = world.members.index(self.node)
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{world.round}", self._store)
-        info = self._store_info(rank, store)
+        info = self._store_info(rank, store, len(world.members))
         log.info("node %s joined round %d of rendezvous %s as rank %d of %d", self.node,
                  world.round, self._run_id, rank, len(world.members))
         return RendezvousInfo(store, rank, len(world.members), info)
 
-    def _store_info(self, rank: int, store: PrefixStore) -> RendezvousStoreInfo:
+    def _store_info(self, rank: int, store: PrefixStore, members: int
+                    ) -> RendezvousStoreInfo:
         """Where rank 0's workers host the process group's store: rank 0 picks a free port
         and writes both keys in one request, the others read both in one (torch's
-        ``RendezvousStoreInfo.build`` does two of each)."""
+        ``RendezvousStoreInfo.build`` does two of each). A rank 0 lost right after the round
+        closed never writes them: ``RoundMemberLostError`` after ``STORE_INFO_SECONDS``, and
+        the agent goes into the next round (agent/round_ranks.py; the fault campaign,
+        etcd-v3 seed 512: the others waited the store's 60 s and ended)."""
         keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
         if rank == 0:
             addr, port = self._local_addr or socket.getfqdn(), get_free_port()
             store.multi_set(keys, [addr.encode(), str(port).encode()])
             return RendezvousStoreInfo(addr, port)
+        try:  # rank 0 writes them as it learns the world: missing, it was lost just then
+            store.wait(keys, timedelta(seconds=STORE_INFO_SECONDS))
+        except dist.DistStoreError as exc:
+            raise RoundMemberLostError([], members, STORE_INFO_SECONDS) from exc
         addr_bytes, port_bytes = store.multi_get(keys)
         return RendezvousStoreInfo(addr_bytes.decode(), int(port_bytes.decode()))
 

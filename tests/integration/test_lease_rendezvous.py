@@ -296,3 +296,48 @@ def test_a_closed_rendezvous_refuses_new_rounds(kv: KV) -> None:
     assert members[1].is_closed()
     with pytest.raises(RendezvousClosedError, match="is closed: the job ended"):
         handler(kv, run_id, 1, 2, 5).next_rendezvous()
+
+
+def test_an_agent_ending_with_an_error_leaves_the_rendezvous_open_for_the_others(
+        kv: KV) -> None:
+    """torch's launcher shuts the rendezvous down whenever its agent ends with an error;
+    closed, it refused every node of the job (the fault campaign, seed 512). With
+    ``leave_open`` the shutdown is this node leaving: the others see it gone and go on,
+    and a node can still join."""
+    from elastic_train.rendezvous.forget import leave_open
+
+    run_id = uuid.uuid4().hex
+    members = [handler(kv, run_id, 1, 3, i) for i in range(2)]
+    run_threads(lambda i: members[i].next_rendezvous(), 2)
+    leave_open(members[0])
+    assert members[0].shutdown()
+    assert not members[1].is_closed()
+    wait_until(lambda: members[1].num_nodes_waiting() > 0, 10, "the node that left seen")
+    joined = run_threads(lambda i: [members[1], handler(kv, run_id, 1, 3, 7)][i]
+                         .next_rendezvous().world_size, 2)
+    assert joined == [2, 2]
+
+
+def test_a_rank_0_lost_right_after_the_round_closed_costs_its_members_a_bounded_wait(
+        kv: KV, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 writes the workers' store address as it learns the world; killed just then,
+    it never does, and its members waited the store's 60 s and ended (seed 512). Now they
+    raise ``RoundMemberLostError`` after ``STORE_INFO_SECONDS`` (the agent goes into the
+    next round on it: tests/unit/test_round_ranks.py)."""
+    from torch.distributed import PrefixStore
+
+    from elastic_train.errors import RoundMemberLostError
+    from elastic_train.rendezvous import lease_handler
+
+    monkeypatch.setattr(lease_handler, "STORE_INFO_SECONDS", 1.0)
+    run_id = uuid.uuid4().hex
+    members = [handler(kv, run_id, 2, 2, i) for i in range(2)]
+    worlds = run_threads(lambda i: members[i]._join(), 2)  # the round, no address yet
+    survivor = next(i for i, w in enumerate(worlds) if w.members[0] != members[i].node)
+    h, world = members[survivor], worlds[survivor]
+    store = PrefixStore(f"torch.rendezvous.{run_id}.{world.round}", h._store)
+    began = time.monotonic()
+    with pytest.raises(RoundMemberLostError, match="did not assign this node's worker ranks "
+                                                   "within 1 s"):
+        h._store_info(world.members.index(h.node), store, len(world.members))
+    assert time.monotonic() - began < 5.0
