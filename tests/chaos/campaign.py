@@ -48,6 +48,8 @@ START_BOUND = 180.0
 FINAL_BOUND = 60.0
 """Seconds from the final SIGTERM to every agent's exit (the preemption budget, 25 s by
 default, and the agent's own shutdown)."""
+RENDEZVOUS_CLOSED = "a job with this --rdzv-id already finished"
+"""An agent's last line when the job's rendezvous is closed (the job ended)."""
 JOB_DEATH_WINDOW = 10.0
 """Every node's agent ending by itself within this many seconds (each one started again as
 it ends) is the whole job ending."""
@@ -222,7 +224,7 @@ class Campaign:
     def _check_agents(self, fault: int | None) -> None:
         """Record every agent that ended without the campaign asking; a node whose agent
         ended is started again (the campaign goes on), unless the whole job ended."""
-        ended_now = False
+        ended_now, closed_now = False, ""
         for agent in list(self.agents.values()):
             code = agent.node.proc.poll()
             if code is None or agent.ended_at is not None:
@@ -231,6 +233,8 @@ class Campaign:
             if agent.expected is None:
                 ended_now = True
                 tail = agent.node.output().strip().splitlines()[-1:] or [""]
+                if RENDEZVOUS_CLOSED in tail[0]:
+                    closed_now = f"{agent.node.log_path.name}: {tail[0][:200]}"
                 what = "an agent exited 0 before the job was done (a silent exit)" \
                     if code == 0 else f"an agent ended by itself with exit code {code}"
                 self.violations.append(Violation(what, fault,
@@ -240,6 +244,14 @@ class Campaign:
             self.job_died = True
             self.violations.append(Violation("the whole job ended by itself", fault,
                                              self._job_end_reason()))
+            return
+        if not self._ended and closed_now:
+            # the job's rendezvous closed under it: no node can join again (etcd-v3 seed
+            # 512, before the fix: every agent started after that was refused at once)
+            self.job_died = True
+            self.violations.append(Violation(
+                "the whole job ended by itself (its rendezvous was closed)", fault,
+                closed_now))
             return
         if not self._ended and ended_now and self._every_node_down(time.time()):
             # each agent is started again as it ends: a job that died reads as nodes ending

@@ -189,6 +189,21 @@ def test_replay_c10d_a_host_killed_as_it_rejoined_ends_nothing(netbed: Factory,
 
 
 @pytest.mark.extended
+def test_replay_a_rank_0_killed_as_its_round_closed_ends_nothing(netbed: Factory,
+                                                               tmp_path: Path) -> None:
+    """etcd-v3 seed 512, replayed: node C, rank 0 of the round it had just formed with the
+    others, was killed before it wrote the workers' store address; the others waited the
+    store's 60 s and ended, and torch's launcher closed the rendezvous as they did, so that
+    every agent started after them was refused ("a job with this --rdzv-id already
+    finished")."""
+    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-etcd-v3-builtin-"
+                                "ddp-2026-11-28-2741461" / "seed-512.json").read_text())
+    run = campaign(netbed, tmp_path, Setup(), schedule, disk=True)
+    show(run)
+    assert_clean(run)
+
+
+@pytest.mark.extended
 def test_replay_a_frozen_node_whose_lease_expires_later_ends_nothing(
         netbed: Factory, tmp_path: Path) -> None:
     """Found on main: node C frozen 7-13 s; the world re-formed without it in 1.5 s, then

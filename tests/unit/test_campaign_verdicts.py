@@ -25,8 +25,9 @@ def process(alive: bool) -> subprocess.Popen[bytes]:
     return proc
 
 
-def agent(host: str, alive: bool, ended_ago: float | None = None) -> Agent:
-    node: Any = SimpleNamespace(proc=process(alive), output=lambda: "error: the end\n",
+def agent(host: str, alive: bool, ended_ago: float | None = None,
+          last: str = "error: the end") -> Agent:
+    node: Any = SimpleNamespace(proc=process(alive), output=lambda: last + "\n",
                                 log_path=Path(f"{host}.log"))
     a = Agent(host, node, time.time() - 100)
     if ended_ago is not None:
@@ -79,3 +80,20 @@ def test_nodes_ending_apart_are_nodes_ending_not_the_job(campaign: Campaign) -> 
     assert not campaign.job_died
     assert [v.what for v in campaign.violations] == ["an agent ended by itself with exit code 1"]
     assert campaign.started == ["node-b"]  # type: ignore[attr-defined]
+
+
+def test_an_agent_refused_by_a_closed_rendezvous_is_the_whole_job_ending(
+        campaign: Campaign) -> None:
+    """etcd-v3 seed 512, before its fix: one node trained on alone, but the job's
+    rendezvous was closed and every agent started again was refused."""
+    lives(campaign, agent("node-a", True), agent("node-b", False, last=(
+        "elastic-train: error: rendezvous 'chaos1' (etcd-v3 at 198.18.0.4:2379) is closed: "
+        "a job with this --rdzv-id already finished; use a new --rdzv-id")),
+        agent("node-c", True))
+    try:
+        campaign._check_agents(fault=13)
+    finally:
+        teardown(campaign)
+    assert campaign.job_died
+    assert campaign.violations[-1].what == \
+        "the whole job ended by itself (its rendezvous was closed)"
