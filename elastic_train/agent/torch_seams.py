@@ -17,7 +17,7 @@ The rest of the agent side calls these functions and classes, never torch's priv
   ``finished_workers_released_on_close`` (``MultiprocessContext._close``);
 - the dynamic rendezvous' internals: ``JudgingStateHolder`` (its state holder, with a say
   in judging nodes dead), ``rendezvous_state``, ``this_node``, ``new_node_descriptor``,
-  ``state_holder``, ``heartbeat_lock``, ``remove_expired_nodes``;
+  ``state_holder``, ``heartbeat_lock``, ``remove_expired_nodes``, ``stop_heartbeats``;
 - ``worker_logs_specs``: a ``DefaultLogsSpecs`` for one worker of another's;
 - ``initialisation_skipped``: ``torch.nn.init``'s functions replaced by no-ops while a model
   is built on the meta device for its shapes.
@@ -47,6 +47,7 @@ __all__ = ["REQUIRED", "JudgingStateHolder", "TorchAgent", "agent_class_replaced
            "new_node_descriptor",
            "process_start_wrapped", "remove_expired_nodes", "rendezvous_state",
            "rendezvous_store_replaced", "start_processes_replaced", "state_holder",
+           "stop_heartbeats",
            "this_node", "worker_logs_specs"]
 
 _LOCAL = "torch.distributed.elastic.agent.server.local_elastic_agent"
@@ -101,6 +102,8 @@ REQUIRED: tuple[Private, ...] = (
     Private(_DYNAMIC, "DynamicRendezvousHandler._heartbeat_lock", "(heartbeat_lock)"),
     Private(_DYNAMIC, "DynamicRendezvousHandler._node_desc_generator",
             "(new_node_descriptor)"),
+    Private(_DYNAMIC, "DynamicRendezvousHandler._stop_heartbeats", "(stop_heartbeats: a "
+            "node that leaves without closing the rendezvous)", params=()),
 )
 
 
@@ -348,6 +351,18 @@ def state_holder(handler: Any) -> Any | None:
 def heartbeat_lock(handler: Any) -> threading.Lock | None:
     """The lock a dynamic handler's heartbeat thread holds while it writes the state."""
     return getattr(handler, "_heartbeat_lock", None)
+
+
+def stop_heartbeats(handler: Any, seconds: float = 5.0) -> None:
+    """Stop a dynamic handler's heartbeats (what its shutdown does besides closing the
+    rendezvous), waiting up to ``seconds`` for one under way (torch joins its thread; a
+    heartbeat to a silent store could take the store's timeout); nothing for another
+    handler."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if callable(stop):
+        thread = threading.Thread(target=stop, name="stop-heartbeats", daemon=True)
+        thread.start()
+        thread.join(seconds)
 
 
 def remove_expired_nodes(holder: Any) -> None:

@@ -41,6 +41,7 @@ from elastic_train.agent.torch_seams import (
     remove_expired_nodes,
     rendezvous_state,
     state_holder,
+    stop_heartbeats,
     this_node,
 )
 
@@ -151,18 +152,22 @@ def leave_open(handler: RendezvousHandler) -> None:
     there ends every node of the job ("a job with this --rdzv-id already finished"), one
     node's error made the job's (the fault campaign, etcd-v3 seed 512: two agents ended
     with a store timeout, and every agent started again after them was refused). A handler
-    with ``leave`` (etcd-v3's lease design) leaves at once; torch's dynamic handler lets
-    this node's heartbeats expire (live recovery's ``forget_nodes`` removes it sooner)."""
+    with ``leave`` (etcd-v3's lease design) leaves at once; torch's dynamic handler stops
+    this node's heartbeats, which then expire (live recovery's ``forget_nodes`` removes it
+    sooner). Its heartbeat thread left running would log its failures to a store that is
+    gone after this node's last line."""
     leave = getattr(handler, "leave", None)
 
     def shutdown() -> bool:
-        if callable(leave):
-            try:
+        try:
+            if callable(leave):
                 leave()
-            except Exception as exc:  # its lease expires instead
-                log.warning("could not leave rendezvous %s at once (%s: %s): this node's "
-                            "lease expires instead", handler.get_run_id(),
-                            type(exc).__name__, exc)
+            else:
+                stop_heartbeats(handler)
+        except Exception as exc:  # its lease or heartbeats expire instead
+            log.warning("could not leave rendezvous %s at once (%s: %s): this node's "
+                        "lease or heartbeats expire instead", handler.get_run_id(),
+                        type(exc).__name__, exc)
         return True
 
     handler.shutdown = shutdown  # type: ignore[method-assign]

@@ -139,3 +139,46 @@ def test_unknown_nodes_and_handlers_without_a_state_are_left_alone(
     assert _participants(a) == {rendezvous_node_id(a), rendezvous_node_id(b)}
     plain = SimpleNamespace()  # a handler with no state of torch's: nothing to forget
     assert forget_nodes(plain, ["x"]) == [] and rendezvous_node_id(plain) == ""  # type: ignore[arg-type]
+
+
+def test_leave_open_stops_a_dynamic_handler_s_heartbeats_without_closing_the_rendezvous(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent that ends with an error leaves the rendezvous open (rendezvous/forget.py's
+    ``leave_open``): torch's shutdown would close it for every node. Its heartbeats stop
+    all the same: left running, one logged its failure to a store that was gone after the
+    agent's last line (test_c10d_the_stores_host_killed_ends_the_other_node_with_one_line,
+    once in a clean-clone run)."""
+    from elastic_train.rendezvous.forget import leave_open
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+
+    def make() -> DynamicRendezvousHandler:
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                               wait_for_workers=False, timeout=timedelta(seconds=30))
+        return DynamicRendezvousHandler.from_backend(
+            RUN_ID, client, C10dRendezvousBackend(client, RUN_ID), min_nodes=1, max_nodes=2,
+            local_addr="127.0.0.1", timeout=RendezvousTimeout(
+                join=timedelta(seconds=JOIN_SECONDS), last_call=timedelta(seconds=0.3)),
+            keep_alive_interval=0.1, keep_alive_max_attempt=100)
+
+    leaving, staying = make(), make()
+    threads = [threading.Thread(target=h.next_rendezvous) for h in (leaving, staying)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+    def beat_of(node: Any) -> Any:
+        staying._state_holder.sync()
+        return staying._state_holder.state.last_heartbeats[node]
+
+    node = leaving._this_node
+    leave_open(leaving)
+    assert leaving.shutdown() is True
+    stopped_at = beat_of(node)
+    time.sleep(0.5)  # five heartbeat intervals: a running heartbeat would have moved it
+    assert beat_of(node) == stopped_at
+    assert not staying.is_closed()
+    staying._stop_heartbeats()
