@@ -66,14 +66,14 @@ def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int
         if missing:
             raise RoundMemberLostError(
                 [int(k[len(ROLE_INFO_PREFIX):]) for k in missing], group_world_size, seconds)
-        store.multi_set(*_assigned(group_world_size, store.multi_get(keys)))
+        store.multi_set(*_assigned(store.multi_get(keys)))
     mine = f"{ASSIGNED_RANKS_PREFIX}{group_rank}"
     if _wait_for(store, [mine], deadline):
         raise RoundMemberLostError([], group_world_size, seconds)
     return RoundRanks(*json.loads(store.get(mine)))
 
 
-def _assigned(group_world_size: int, infos: list[bytes]) -> tuple[list[str], list[str]]:
+def _assigned(infos: list[bytes]) -> tuple[list[str], list[str]]:
     """Rank 0's numbering of every member's workers, as torch's agent writes it."""
     roles = [json.loads(info) for info in infos]
     role_sizes: dict[str, int] = defaultdict(int)
@@ -88,7 +88,6 @@ def _assigned(group_world_size: int, infos: list[bytes]) -> tuple[list[str], lis
                                   role_sizes[info["role"]]]))
         base += info["local_world_size"]
         role_ranks[info["role"]] += info["local_world_size"]
-    assert len(keys) == group_world_size
     return keys, values
 
 

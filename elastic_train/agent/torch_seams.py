@@ -240,8 +240,8 @@ def initialisation_skipped() -> Iterator[None]:
     """While the block runs, ``torch.nn.init``'s initialisations leave their tensor as it
     is. For a model built on the meta device for its shapes only (the launcher's pre-check
     of a checkpoint): there they compute nothing, but the first one imports torch's
-    reference implementations (``torch._refs`` and what they need), 2.5 s of an agent's
-    start-up on a loaded 2-core machine, paid again by every node that joins."""
+    reference implementations (``torch._refs`` and what they need), seconds of an agent's
+    start-up on a loaded machine, paid again by every node that joins."""
     import torch.nn.init as init
 
     def left_as_is(tensor: Any, *args: Any, **kwargs: Any) -> Any:

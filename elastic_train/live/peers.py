@@ -191,7 +191,7 @@ def bounded(call: Callable[[], T], seconds: float, gone: Callable[[], bool] | No
     ``gone``: asked every ``REFUSAL_EVERY`` s while the call is under way; once true, the
     call is given up (``ConnectionError``). For a peer that died just as it was called:
     torch's client, its connection reset, connects again and again, each refused, until
-    its timeout (the fault campaign's host kills: 1.2-1.4 s to the next step where the
+    its timeout (the fault campaign's host kills: up to 1.6 s to the next step where the
     others took 0.2 s, the caller waiting for the failure detector)."""
     result: list[T] = []
     error: list[BaseException] = []

@@ -68,6 +68,17 @@ def show(run: Campaign) -> None:
               f"{r.full_world}")
 
 
+def started_without_node_c(netbed: Factory, tmp_path: Path, setup: Setup) -> Campaign:
+    """The job at its full world, then node C's host killed and the others training at 2
+    (its agent not started again: the test decides when C comes back)."""
+    run = Campaign(netbed(setup.names, etcd=setup.backend == "etcd-v3"), setup, tmp_path)
+    run.start()
+    run._end_expected("node-c", "killed")
+    left_at = run.bed.host("node-c").kill()
+    assert run._wait(lambda: run._step_at_world(2, left_at), 60), run.report_nodes()
+    return run
+
+
 def test_a_short_seeded_campaign_of_faults_in_sequence_breaks_nothing(
         netbed: Factory, tmp_path: Path) -> None:
     kinds = ["host_kill", "freeze", "worker_kill", "node_sigterm", "agent_freeze", "cable"]
@@ -107,13 +118,8 @@ def test_a_worker_killed_while_a_node_waits_to_join_re_forms_the_full_world(
 
     A's agent alone is frozen while C joins, so that B enters the round first (a failure
     detector and a lease long enough that the freeze itself is no fault)."""
-    setup = Setup(rdzv_conf="lease_ttl=60", launcher=("--peer-timeout", "60"))
-    bed = netbed(setup.names, etcd=True)
-    run = Campaign(bed, setup, tmp_path)
-    run.start()
-    run._end_expected("node-c", "killed")
-    left_at = bed.host("node-c").kill()
-    assert run._wait(lambda: run._step_at_world(2, left_at), 60), run.report_nodes()
+    run = started_without_node_c(netbed, tmp_path, Setup(
+        rdzv_conf="lease_ttl=60", launcher=("--peer-timeout", "60")))
     a, b = run.agents["node-a"], run.agents["node-b"]
     into_round = "this node goes into the new rendezvous round"
     before = b.node.output().count(into_round)
@@ -150,13 +156,8 @@ def test_c10d_a_node_lost_right_after_a_round_closed_costs_one_bounded_wait_not_
     every agent ended with DistStoreError. Now rank 0 names it after a bounded wait, the
     round's members go into the next round without it while their workers train on, and
     the node that comes back finds the full world."""
-    setup = Setup(backend="c10d")
-    bed = netbed(setup.names, etcd=False)
-    run = Campaign(bed, setup, tmp_path)
-    run.start()
-    run._end_expected("node-c", "killed")
-    left_at = bed.host("node-c").kill()
-    assert run._wait(lambda: run._step_at_world(2, left_at), 60), run.report_nodes()
+    run = started_without_node_c(netbed, tmp_path, Setup(backend="c10d"))
+    bed = run.bed
     workers = {name: run._worker_pid(name, 0) for name in ("node-a", "node-b")}
     c = bed.host("node-c")
     joined_at = time.time()

@@ -285,7 +285,7 @@ exit_process(3)
 def test_a_call_to_an_agent_that_dies_meanwhile_ends_at_its_first_refusal() -> None:
     """The fault campaign's host kills: a member called just as its host was killed took
     the connection, then died; torch's client connected again and again, each refused,
-    until its timeout, and the caller waited for the failure detector (1.2-1.4 s to the
+    until its timeout, and the caller waited for the failure detector (up to 1.6 s to the
     next step where the others took 0.2 s). The call now ends at the first refusal."""
     import subprocess
     import sys
