@@ -69,6 +69,9 @@ REQUIRED: tuple[Private, ...] = (
     Private("torch.distributed.fsdp._fully_shard._fully_shard", "cls_to_fsdp_cls",
             "one FSDP class per module class, so that a module sharded again on a new mesh "
             "can take over the old one's object (become)"),
+    Private("torch.distributed._composable_state", "_module_state_mapping",
+            "the composable APIs' module -> state map (a weak reference per module), "
+            "pointed at the new state when a module takes over another (become)"),
 )
 
 
@@ -134,10 +137,22 @@ def become(target: torch.nn.Module, source: torch.nn.Module) -> None:
     (``cls_to_fsdp_cls``), so ``target`` takes ``source``'s class and shares its
     ``__dict__`` (shared, not copied: what FSDP2 sets on ``source`` later is seen through
     ``target`` too). What ``target`` held before (the old mesh's state) is dropped.
+
+    torch also maps each module to a weak reference of its state, outside the module
+    (``_composable_state._module_state_mapping``, which FSDP's traversal reads, e.g. in
+    ``get_state_dict``): ``target``'s entry is pointed at ``source``'s state, else it would
+    name the dropped state, which fails with "State has already been garbage collected"
+    once a garbage collection frees it.
     tests/unit/test_loop_sharding.py trains through it and compares with a fresh model."""
+    from torch.distributed import _composable_state
+
     if type(target) is not type(source):
         target.__class__ = type(source)
     target.__dict__ = source.__dict__
+    states = _composable_state._module_state_mapping
+    states.pop(target, None)
+    if source in states:
+        states[target] = states[source]
 
 
 def renew_reducer(ddp: DistributedDataParallel, group: dist.ProcessGroup) -> None:
