@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import json
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,44 @@ def table(records: list[FaultRecord]) -> str:
         full = [r.full_world for r in rs if r.full_world is not None]
         lines.append(f"| {kind} | {len(rs)} | {cell(nxt, len(rs))} | {cell(full, len(rs))} |")
     return "\n".join(lines)
+
+
+READY = re.compile(r"launcher ready to join after ([\d.]+) s: torch imported by ([\d.]+) s, "
+                   r"torch check ([\d.]+) s, rendezvous and pre-flight checks ([\d.]+) s")
+
+
+def agent_starts(workdir: Path) -> list[dict[str, object]]:
+    """Where each agent's start went (its launcher's ready line, agent/launch.py READY_LINE),
+    from the node logs ``NAME.LIFE.log``: life 0 started with the job, the others after a
+    fault."""
+    starts: list[dict[str, object]] = []
+    for log_file in sorted(workdir.glob("*.log")):
+        name, _, life = log_file.stem.rpartition(".")
+        if not life.isdigit():
+            continue
+        found = READY.search(log_file.read_text(errors="replace"))
+        if found:
+            ready, torch_by, check, checks = (float(x) for x in found.groups())
+            starts.append({"node": name, "life": int(life), "ready": ready,
+                           "torch": torch_by, "check": check, "preflight": checks})
+    return starts
+
+
+def starts_line(campaigns: list[dict[str, object]]) -> str:
+    """The agents started again after a fault: their start to ready to join, p50 / max."""
+    again = [s for c in campaigns for s in c.get("agent_starts", []) if s["life"] > 0]
+    if not again:
+        return "- agents started again after a fault: none recorded"
+
+    def spread(key: str) -> str:
+        values = [float(s[key]) for s in again]
+        return f"{percentile(values, 50):.2f} / {max(values):.2f}"
+
+    return (f"- agents started again after a fault: {len(again)}; from the launcher's start "
+            f"to ready to join p50 / max {spread('ready')} s, of which torch imported by "
+            f"{spread('torch')} s, the torch check {spread('check')} s, the rendezvous and "
+            f"pre-flight checks {spread('preflight')} s (the rest of heal -> full world is "
+            "the rendezvous, the workers' start and the re-formation)")
 
 
 def run_campaign(setup: Setup, schedule: Schedule, workdir: Path, disk: bool
@@ -148,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         began = time.monotonic()
         records, violations, died = run_campaign(
             setup, schedule, workdir, disk=any(f.kind == "disk_full" for f in schedule.faults))
+        starts = agent_starts(workdir)
         with open(out / "faults.jsonl", "a") as f:
             for r in records:
                 f.write(json.dumps({
@@ -159,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps({
                 "seed": schedule.seed, "faults": len(records), "died": died,
                 "violations": violations, "minutes": round((time.monotonic() - began) / 60, 2),
+                "agent_starts": starts,
                 "commit": commit, "date": stamp, "machine": platform.node(),
                 "command": "python benchmarks/chaos.py " + " ".join(argv or sys.argv[1:])})
                 + "\n")
@@ -201,6 +242,7 @@ def summary(out: Path, title: str) -> str:
         f"- job deaths {sum(1 for c in campaigns if c['died'])}, violations {len(violations)} "
         "(silent exits, wedges, sample errors, unverified checkpoints, leaks: all counted "
         "there)",
+        starts_line(campaigns),
         "",
         table(records),
         "",

@@ -17,12 +17,24 @@ tells its workers so; a worker checks its own seam once per process (``check_in_
 unless its launcher did. The seams' declarations are read from their source, not imported:
 a seam imports some of those names itself, so on a torch without them it would not import.
 
+A passed check is remembered on disk (``Verdicts``), keyed by what it depends on: torch's
+version, build and install (its path and its ``version.py``'s time and size: a reinstall
+rewrites it), and the source of the seams and of the checker. An agent started again on the
+same machine (a node back after a kill, a restarted pod with the cache on a volume) skips
+importing the worker side's modules only to check them: 2-3 s of its start on a loaded
+2-core machine. ``ELASTIC_TRAIN_CACHE_DIR`` says where (default
+``$XDG_CACHE_HOME/elastic_train``, else ``~/.cache/elastic_train``); set it empty to check
+every time. A refusal is never remembered.
+
 Free of torch imports at module level (the launcher imports this before torch).
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
+import logging
 import os
 import re
 import sys
@@ -32,8 +44,11 @@ from pathlib import Path
 from elastic_train.errors import ElasticTrainError
 from elastic_train.torch_private import Private, problems
 
-__all__ = ["CHECKED", "SEAMS", "TESTED", "TorchUnsupportedError", "check", "check_at_launch",
-           "check_in_worker", "declared", "notice_line", "refusal_line"]
+__all__ = ["CACHE_DIR", "CHECKED", "SEAMS", "TESTED", "TorchUnsupportedError", "Verdicts",
+           "check", "check_at_launch", "check_in_worker", "declared", "notice_line",
+           "refusal_line"]
+
+log = logging.getLogger(__name__)
 
 TESTED: tuple[str, ...] = ("2.11.0", "2.12.1", "2.13.0", "2.14.1")
 """The torch versions the compatibility run passed on, oldest first (its results:
@@ -46,6 +61,9 @@ SEAMS: tuple[str, ...] = (AGENT_SEAM, WORKER_SEAM)
 CHECKED = "ELASTIC_TRAIN_TORCH_CHECKED"
 """Set by the launcher for its workers to the torch version it checked: they skip their own
 check of that version."""
+
+CACHE_DIR = "ELASTIC_TRAIN_CACHE_DIR"
+"""Where passed checks are remembered (``Verdicts``); empty: nowhere, check every time."""
 
 _PACKAGE = Path(__file__).resolve().parent
 _checked_here: str | None = None
@@ -135,9 +153,92 @@ def notice_line(version: str) -> str | None:
     return None
 
 
-def check(seams: Iterable[str] = SEAMS) -> str | None:
+class Verdicts:
+    """Passed checks remembered in a directory, one small JSON file per key (module doc)."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Verdicts:
+        """Where ``CACHE_DIR`` says (empty: nowhere), else the user's cache directory."""
+        env = os.environ if environ is None else environ
+        if CACHE_DIR in env:
+            return cls(Path(env[CACHE_DIR]) if env[CACHE_DIR] else None)
+        base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return cls(Path(base) / "elastic_train")
+
+    @staticmethod
+    def key(seams: Iterable[str]) -> str:
+        """What a check's result depends on: the installed torch (version, build, path, and
+        its ``version.py``'s time and size, which a reinstall rewrites) and the source of
+        ``seams`` and of the checker itself."""
+        import torch
+
+        torch_dir = Path(torch.__file__).resolve().parent
+        stat = (torch_dir / "version.py").stat()
+        digest = hashlib.sha256()
+        for part in (str(torch.__version__), str(getattr(torch.version, "git_version", "")),
+                     str(torch_dir), str(stat.st_mtime_ns), str(stat.st_size), sys.version):
+            digest.update(part.encode() + b"\0")
+        sources = [_PACKAGE.joinpath(*seam.split(".")[1:]).with_suffix(".py")
+                   for seam in seams]
+        for path in [*sources, _PACKAGE / "torch_private.py", Path(__file__)]:
+            digest.update(path.read_bytes() + b"\0")
+        return digest.hexdigest()[:32]
+
+    def _path(self, key: str) -> Path | None:
+        return None if self.directory is None else self.directory / f"torch-check-{key}.json"
+
+    def passed(self, key: str) -> tuple[bool, str | None]:
+        """(whether a check with ``key`` passed before, the notice it returned)."""
+        path = self._path(key)
+        if path is None:
+            return False, None
+        try:
+            verdict = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False, None
+        if not isinstance(verdict, dict) or verdict.get("passed") is not True:
+            return False, None
+        notice = verdict.get("notice")
+        return True, notice if isinstance(notice, str) else None
+
+    def remember(self, key: str, notice: str | None) -> None:
+        """Record a passed check (atomically; a directory that cannot be written: not
+        remembered, the next start checks again)."""
+        path = self._path(key)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{os.getpid()}")
+            partial.write_text(json.dumps({"passed": True, "notice": notice}))
+            os.replace(partial, path)
+        except OSError as exc:
+            log.debug("the torch check's verdict is not remembered in %s: %s",
+                      self.directory, exc)
+
+
+def check(seams: Iterable[str] = SEAMS, verdicts: Verdicts | None = None) -> str | None:
     """Check the installed torch against ``seams``: raise ``TorchUnsupportedError`` (its
-    one line) if a name is missing or reshaped, else return ``notice_line`` (or None)."""
+    one line) if a name is missing or reshaped, else return ``notice_line`` (or None).
+    A check that passed before with the same key (``Verdicts.key``) is not done again;
+    ``verdicts`` defaults to ``Verdicts.from_environment()``."""
+    seams = tuple(seams)
+    verdicts = Verdicts.from_environment() if verdicts is None else verdicts
+    key = Verdicts.key(seams)
+    passed, notice = verdicts.passed(key)
+    if passed:
+        log.debug("torch check: passed before for this torch and these seams (%s)",
+                  verdicts.directory)
+        return notice
+    notice = _check_now(seams)
+    verdicts.remember(key, notice)
+    return notice
+
+
+def _check_now(seams: tuple[str, ...]) -> str | None:
     import importlib
 
     import torch

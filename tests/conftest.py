@@ -13,24 +13,31 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.torch_compat import CACHE_DIR
 from tests import netbed as netbed_module
 from tests import tools
 from tests.etcd_server import EtcdServer
 from tests.s3_server import S3Server
 
 _SHADOW_DIR: Path | None = None
+_VERDICTS_DIR: Path | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Put failing stand-ins for the venv's programs first on PATH for the whole run."""
-    global _SHADOW_DIR
+    """Put failing stand-ins for the venv's programs first on PATH for the whole run; the
+    torch check's remembered verdicts (torch_compat.Verdicts) in a directory of the run's
+    own, not the user's cache."""
+    global _SHADOW_DIR, _VERDICTS_DIR
     _SHADOW_DIR = Path(tempfile.mkdtemp(prefix="elastic-train-shadow-"))
     os.environ["PATH"] = tools.shadow_installed_tools(_SHADOW_DIR)
+    _VERDICTS_DIR = Path(tempfile.mkdtemp(prefix="elastic-train-verdicts-"))
+    os.environ[CACHE_DIR] = str(_VERDICTS_DIR)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _SHADOW_DIR is not None:
-        shutil.rmtree(_SHADOW_DIR, ignore_errors=True)
+    for made in (_SHADOW_DIR, _VERDICTS_DIR):
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

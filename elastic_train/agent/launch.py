@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import sys
-import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -61,6 +61,9 @@ if TYPE_CHECKING:
     from elastic_train.agent.snapshot_holder import SnapshotHolder
 
 log = logging.getLogger(__name__)
+
+_IMPORTED_AT = time.monotonic()
+"""When the launcher's module was imported: its process's start, give or take Python's own."""
 
 WORKER_MODULE = "elastic_train.train"
 SCRIPT_RUNNER = "elastic_train.worker.script_worker"
@@ -336,15 +339,10 @@ def _start_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start
     if worker_start == "subprocess":
         torchrun.run(args)
         return
-    # torch's agent logs a failed worker with a formatter that imports torch._dynamo on
-    # its first exception record: 0.7-1 s of a live recovery's detection, unless done
-    # before (the built-in job's pre-flight imports it anyway). Off the start's path.
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
-                     name="import-torch-dynamo", daemon=True).start()
     from torch.distributed.launcher.api import elastic_launch
 
+    from elastic_train.worker.entrypoints import run_worker
     from elastic_train.worker.script_worker import MODULE_FLAG, run_module, run_script
-    from elastic_train.worker.train import run_worker
 
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
@@ -478,6 +476,12 @@ def _check_target(ns: argparse.Namespace, target: str) -> None:
                           "(or job options, e.g. --task, for the built-in trainer)")
 
 
+READY_LINE = ("launcher ready to join after {ready:.2f} s: torch imported by {torch:.2f} s, "
+              "torch check {check:.2f} s, rendezvous and pre-flight checks {preflight:.2f} s")
+"""Said (INFO) before the rendezvous: where a node's start went (the fault campaign collects
+it, benchmarks/chaos.py)."""
+
+
 def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[str],
                     config: JobConfig | None, script: Sequence[str] = ()) -> int:
     """The rendezvous and pre-flight checks, then the launch; the exit code (``config``:
@@ -490,8 +494,10 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
     from elastic_train.rendezvous.preflight import check_rendezvous
     from elastic_train.torch_compat import check_at_launch
 
+    torch_at = time.monotonic()
     try:
         check_at_launch()  # this torch against the seams, before any worker starts
+        checked_at = time.monotonic()
         check_rendezvous(ns.rdzv_backend, ns.rdzv_endpoint,
                          parse_rdzv_conf(rdzv_conf_with_defaults(ns.rdzv_backend, ns.rdzv_conf)))
         if config is not None:
@@ -499,6 +505,9 @@ def _checked_launch(ns: argparse.Namespace, cmd: list[str], job_args: Sequence[s
     except ElasticTrainError as exc:
         print(f"elastic-train: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    ready_at = time.monotonic()
+    log.info(READY_LINE.format(ready=ready_at - _IMPORTED_AT, torch=torch_at - _IMPORTED_AT,
+                               check=checked_at - torch_at, preflight=ready_at - checked_at))
     timing.install()
     where = f" (run dir {config.run_dir})" if config is not None else f" ({script[0]})"
     args = torchrun.parse_args(options_torchrun_knows(cmd, torchrun.get_args_parser()))

@@ -26,6 +26,7 @@ The rest of the agent side calls these functions and classes, never torch's priv
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -43,7 +44,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic_train.torch_private import Private
 
 __all__ = ["REQUIRED", "JudgingStateHolder", "TorchAgent", "agent_class_replaced",
-           "finished_workers_released_on_close", "heartbeat_lock", "initialisation_skipped",
+           "failure_logging_warmed", "finished_workers_released_on_close", "heartbeat_lock",
+           "initialisation_skipped",
            "new_node_descriptor",
            "process_start_wrapped", "remove_expired_nodes", "rendezvous_state",
            "rendezvous_store_replaced", "start_processes_replaced", "state_holder",
@@ -108,6 +110,24 @@ REQUIRED: tuple[Private, ...] = (
 
 
 # ---- torch's local agent -------------------------------------------------------------------
+_warming: threading.Thread | None = None
+
+
+def failure_logging_warmed() -> threading.Thread:
+    """torch's agent logs a failed worker with a formatter that imports ``torch._dynamo`` on
+    its first exception record: 0.7-1 s of a live recovery's detection, unless imported
+    before. Imported here in a thread of its own, once per process, when the agent's first
+    workers have started: not on an agent's way to its rendezvous, where the import's hold
+    on the interpreter slowed a rejoining node (the thread that did it at the agent's start
+    overlapped its rendezvous). Returns that thread."""
+    global _warming
+    if _warming is None:
+        _warming = threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
+                                    name="import-torch-dynamo", daemon=True)
+        _warming.start()
+    return _warming
+
+
 class TorchAgent(LocalElasticAgent):
     """torch's ``LocalElasticAgent``, its private hooks offered under public names: a
     subclass overrides ``start_workers``, ``monitor_workers`` and ``restart_workers`` (torch
@@ -115,7 +135,9 @@ class TorchAgent(LocalElasticAgent):
     behaviour through ``torch_start_workers`` ..."""
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        return self.start_workers(worker_group)
+        started = self.start_workers(worker_group)
+        failure_logging_warmed()
+        return started
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         return self.monitor_workers(worker_group)

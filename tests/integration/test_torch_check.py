@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.torch_compat import CACHE_DIR
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow
@@ -62,11 +63,13 @@ def refusal(version: str, agent_side: bool) -> str:
 
 
 def with_site(tmp_path: Path, code: str) -> dict[str, str]:
-    """The test's job environment with ``code`` run first in every Python it starts."""
+    """The test's job environment with ``code`` run first in every Python it starts, and no
+    verdict remembered (torch_compat.Verdicts: a torch changed at run time, as here, has the
+    files of the one checked before)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(code)
-    env = harness.job_env()
+    env = harness.job_env({CACHE_DIR: str(tmp_path / "verdicts")})
     env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
     return env
 

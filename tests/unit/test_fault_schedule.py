@@ -3,6 +3,8 @@ taking a protected host's node."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.chaos.schedule import KINDS, Schedule, make_schedule
@@ -29,3 +31,25 @@ def test_a_protected_host_never_loses_its_node_or_its_agent() -> None:
 def test_an_unknown_kind_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown fault kind\(s\) \['meteor'\]: choose from"):
         make_schedule(1, 1, HOSTS, ["meteor"])
+
+
+def test_the_soak_reads_each_agents_start_from_the_launchers_own_line(tmp_path: Path) -> None:
+    import importlib.util
+
+    from elastic_train.agent.launch import READY_LINE
+
+    spec = importlib.util.spec_from_file_location(
+        "chaos_soak", Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py")
+    assert spec is not None and spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    line = READY_LINE.format(ready=9.46, torch=6.22, check=2.98, preflight=0.26)
+    (tmp_path / "node-c.1.log").write_text(f"1795873355.45 {line}\n1795873356.0 later\n")
+    (tmp_path / "node-a.0.log").write_text("1795873300.0 an agent that never got ready\n")
+    assert soak.agent_starts(tmp_path) == [
+        {"node": "node-c", "life": 1, "ready": 9.46, "torch": 6.22, "check": 2.98,
+         "preflight": 0.26}]
+    assert soak.starts_line([{"agent_starts": soak.agent_starts(tmp_path)}]).startswith(
+        "- agents started again after a fault: 1; from the launcher's start to ready to join "
+        "p50 / max 9.46 / 9.46 s, of which torch imported by 6.22 / 6.22 s, the torch check "
+        "2.98 / 2.98 s")

@@ -112,7 +112,7 @@ def reaching(folder: str, into: str) -> list[str]:
 
 
 AGENT_MAY_IMPORT_FROM_WORKER = {
-    "elastic_train.worker.train", "elastic_train.worker.script_worker",  # what it launches
+    "elastic_train.worker.entrypoints", "elastic_train.worker.script_worker",  # it launches
     "elastic_train.worker.env",  # the environment its workers will read, checked first
 }
 
@@ -135,8 +135,21 @@ def test_the_live_contract_imports_neither_side(side: str) -> None:
 
 def test_the_layering_checks_see_the_packages() -> None:
     assert package_imports("agent") and package_imports("worker") and package_imports("live")
-    assert "elastic_train.worker.train" in {m for ms in package_imports("agent").values()
-                                            for m in ms}
+    assert "elastic_train.worker.entrypoints" in {m for ms in package_imports("agent").values()
+                                                  for m in ms}
+
+
+def test_the_agent_names_the_built_in_jobs_entry_point_without_importing_its_code() -> None:
+    """torch pickles the entry point by reference for the forkserver (worker/entrypoints.py):
+    naming it must not import the training code into the agent (1.4 s of a rejoining
+    agent's start, on its way to the rendezvous)."""
+    code = ("import pickle, sys\n"
+            "from elastic_train.worker.entrypoints import run_worker\n"
+            "named = pickle.loads(pickle.dumps(run_worker))\n"
+            "print(named is run_worker, 'elastic_train.worker.train' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["True", "False"]
 
 
 def test_the_launcher_imports_no_torch_before_it_starts_the_workers_server() -> None:

@@ -22,10 +22,12 @@ from elastic_train import torch_compat, torch_private
 from elastic_train.agent import environment as agent_env
 from elastic_train.live.environment import WORKER_ENV_FILE
 from elastic_train.torch_compat import (
+    CACHE_DIR,
     CHECKED,
     SEAMS,
     TESTED,
     TorchUnsupportedError,
+    Verdicts,
     check,
     check_at_launch,
     check_in_worker,
@@ -40,9 +42,11 @@ GONE = ("torch.nn.parallel.distributed.DistributedDataParallel._build_params_for
 
 
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No check remembered from another test, no launcher's mark in the environment."""
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No check remembered from another test (in this process or on disk), no launcher's
+    mark in the environment."""
     monkeypatch.setattr(torch_compat, "_checked_here", None)
+    monkeypatch.setenv(CACHE_DIR, str(tmp_path / "verdicts"))
     monkeypatch.delenv(CHECKED, raising=False)
     monkeypatch.delenv(WORKER_ENV_FILE, raising=False)
 
@@ -135,6 +139,89 @@ def test_the_launcher_refuses_before_marking_anything(monkeypatch: pytest.Monkey
     with pytest.raises(TorchUnsupportedError, match=re.escape(GONE)):
         check_at_launch()
     assert CHECKED not in os.environ
+
+
+def _no_second_check(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the checks that look at torch's names from now on."""
+    looked: list[int] = []
+    real = torch_compat.problems
+
+    def counted(required: list[torch_private.Private]) -> list[tuple[torch_private.Private, str]]:
+        looked.append(len(required))
+        return real(required)
+
+    monkeypatch.setattr(torch_compat, "problems", counted)
+    return looked
+
+
+def test_a_passed_check_is_remembered_until_torch_or_the_seams_change(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    verdicts = Verdicts(tmp_path / "verdicts")
+    assert check(SEAMS, verdicts) == notice_line(torch.__version__)
+    looked = _no_second_check(monkeypatch)
+    assert check(SEAMS, verdicts) == notice_line(torch.__version__)
+    assert looked == []                                  # remembered: nothing imported
+    monkeypatch.setattr(torch, "__version__", "2.99.0")  # another torch: checked again
+    assert check(SEAMS, verdicts) == notice_line("2.99.0") and looked
+    looked.clear()
+    assert check(SEAMS, verdicts) == notice_line("2.99.0") and looked == []  # its notice too
+    monkeypatch.setattr(torch.version, "git_version", "another build")
+    assert check(SEAMS, verdicts) is not None and looked
+
+
+def test_the_key_follows_the_seams_source_and_torchs_install(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    package = tmp_path / "elastic_train"
+    for part in ("agent/torch_seams.py", "worker/torch_seams.py", "torch_private.py"):
+        (package / part).parent.mkdir(parents=True, exist_ok=True)
+        (package / part).write_bytes((REPO / "elastic_train" / part).read_bytes())
+    monkeypatch.setattr(torch_compat, "_PACKAGE", package)
+    before = Verdicts.key(SEAMS)
+    assert Verdicts.key(SEAMS) == before and Verdicts.key(SEAMS[:1]) != before
+    seam = package / "worker" / "torch_seams.py"
+    seam.write_text(seam.read_text() + "\n# another name relied on\n")
+    assert Verdicts.key(SEAMS) != before
+    changed = Verdicts.key(SEAMS)
+    real_stat = Path.stat
+
+    def reinstalled(path: Path, *args: object, **kwargs: object) -> os.stat_result:
+        result = real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+        if path.name == "version.py":  # pip rewrote torch's version.py
+            return os.stat_result((*result[:8], result.st_mtime + 1, result.st_ctime))
+        return result
+
+    monkeypatch.setattr(Path, "stat", reinstalled)
+    assert Verdicts.key(SEAMS) != changed
+
+
+def test_a_refusal_is_never_remembered(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    verdicts = Verdicts(tmp_path / "verdicts")
+    with monkeypatch.context() as patch:
+        patch.delattr(DistributedDataParallel, "_build_params_for_reducer")
+        for _ in range(2):
+            with pytest.raises(TorchUnsupportedError, match=re.escape(GONE)):
+                check(SEAMS, verdicts)
+    assert not list((tmp_path / "verdicts").glob("torch-check-*"))
+
+
+@pytest.mark.parametrize("where", ["", "/proc/no-such-dir"])
+def test_without_a_writable_cache_every_start_checks(monkeypatch: pytest.MonkeyPatch,
+                                                     where: str) -> None:
+    monkeypatch.setenv(CACHE_DIR, where)
+    verdicts = Verdicts.from_environment()
+    assert verdicts.directory == (Path(where) if where else None)
+    assert check(SEAMS, verdicts) == notice_line(torch.__version__)
+    looked = _no_second_check(monkeypatch)
+    assert check(SEAMS, verdicts) == notice_line(torch.__version__) and looked
+
+
+def test_the_cache_is_the_users_unless_configured() -> None:
+    home = os.path.expanduser("~")
+    assert Verdicts.from_environment({}).directory == Path(home, ".cache", "elastic_train")
+    assert Verdicts.from_environment({"XDG_CACHE_HOME": "/x"}).directory == \
+        Path("/x/elastic_train")
+    assert Verdicts.from_environment({CACHE_DIR: "/y", "XDG_CACHE_HOME": "/x"}).directory == \
+        Path("/y")
 
 
 class Holder:
