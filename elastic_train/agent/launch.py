@@ -341,9 +341,11 @@ def _start_agent(args: argparse.Namespace, job_args: Sequence[str], worker_start
         return
     from torch.distributed.launcher.api import elastic_launch
 
+    from elastic_train.agent.torch_seams import failure_logging_warmed
     from elastic_train.worker.entrypoints import run_worker
     from elastic_train.worker.script_worker import MODULE_FLAG, run_module, run_script
 
+    failure_logging_warmed()  # off the start's path, done before a worker can fail
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
     with workers_released_on_close():

@@ -91,3 +91,22 @@ def test_a_model_built_for_its_shapes_skips_only_the_initialisation() -> None:
     assert {n: getattr(init, n) for n in INIT_FUNCTIONS} == originals
     assert skipped == tensor_shapes(task.build_model().state_dict())
     assert len(skipped) > 10
+
+
+def test_torchs_failure_formatting_is_warmed_once_by_a_thread_started_before_the_workers(
+        ) -> None:
+    """A worker killed in the job's first seconds must not wait for the formatter's import
+    of torch._dynamo (agent/torch_seams.failure_logging_warmed): launch.py starts it before
+    torch's launcher starts any worker, once per process."""
+    import inspect
+    import sys
+
+    from elastic_train.agent import launch
+    from elastic_train.agent.torch_seams import failure_logging_warmed
+
+    thread = failure_logging_warmed()
+    assert failure_logging_warmed() is thread and thread.name == "import-torch-dynamo"
+    thread.join(120)
+    assert not thread.is_alive() and "torch._dynamo" in sys.modules
+    source = inspect.getsource(launch._start_agent)
+    assert source.index("failure_logging_warmed()") < source.index("elastic_launch(config")
