@@ -163,19 +163,24 @@ class RendezvousStoreLostError(ElasticTrainError):
 
 
 class RoundMemberLostError(ElasticTrainError):
-    """A member of a closed rendezvous round did not take its worker ranks in time (lost
-    right after the round closed): the agent goes into the next round without it
-    (agent/round_ranks.py)."""
+    """A member of a closed rendezvous round did not take its worker ranks in time, or its
+    rank 0 committed no plan for the round (lost right after the round closed): the agent
+    goes into the next round without it (agent/round_ranks.py, live/coordination.py)."""
 
-    def __init__(self, missing: list[int], members: int, seconds: float) -> None:
+    def __init__(self, missing: list[int], members: int, seconds: float,
+                 task: str = "take their worker ranks") -> None:
         self.missing = list(missing)
-        """The members' ranks in the round (known to its rank 0 only; empty elsewhere)."""
+        """The members' ranks in the round (known to its rank 0, and to every member when
+        rank 0 is the one missing; empty elsewhere)."""
         super().__init__(
-            f"member(s) {self.missing} of a rendezvous round of {members} did not take "
-            f"their worker ranks within {seconds:g} s (lost right after the round closed)"
+            f"member(s) {self.missing} of a rendezvous round of {members} did not {task} "
+            f"within {seconds:g} s (lost right after the round closed)"
             if self.missing else
             f"the rendezvous round of {members} did not assign this node's worker ranks "
-            f"within {seconds:g} s (a member was lost right after the round closed)")
+            f"within {seconds:g} s (a member was lost right after the round closed)"
+            if task == "take their worker ranks" else
+            f"a member of the rendezvous round of {members} did not {task} within "
+            f"{seconds:g} s (lost right after the round closed)")
 
 
 class StorageError(ElasticTrainError):

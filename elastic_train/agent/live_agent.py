@@ -75,7 +75,11 @@ from elastic_train.agent.holder_directory import HolderDirectory
 from elastic_train.agent.job_store import ACROSS_NODES, job_store
 from elastic_train.agent.live_node import LiveNode
 from elastic_train.agent.live_options import C10D_JOIN_TIMEOUT, LiveOptions
-from elastic_train.agent.round_ranks import assign_round_ranks, rendezvous_until_ranked
+from elastic_train.agent.round_ranks import (
+    ROUND_ATTEMPTS,
+    assign_round_ranks,
+    rendezvous_until_ranked,
+)
 from elastic_train.agent.snapshot_holder import SnapshotHolder
 from elastic_train.agent.store_watch import end_if_store_lost
 from elastic_train.agent.torch_seams import TorchAgent, agent_class_replaced
@@ -87,7 +91,7 @@ from elastic_train.agent.worker_processes import (
     per_worker_contexts,
 )
 from elastic_train.config import RecoveryMode
-from elastic_train.errors import NodeLeftError
+from elastic_train.errors import NodeLeftError, RoundMemberLostError
 from elastic_train.live.coordination import RESTART, Notice, Round, lost_members
 from elastic_train.live.environment import LIVE_GENERATION
 from elastic_train.live.peers import bounded
@@ -129,6 +133,8 @@ class LiveRecoveryAgent(TorchAgent):
         """Its store, id, coordinator and failure detector, once live (agent/live_node.py)."""
         self._said_why_not = False
         self._round_agents = 1  # agents of the rendezvous round (torch's group world size)
+        self._round_ours: tuple[int, ...] = ()
+        """The round's members known to be ours (its rank 0 learns it: agent/round_ranks.py)."""
         # torch's loop sleeps --monitor-interval before each check; here the check waits
         # for it instead, and a call or a worker's report (WAKE_KEY) ends the wait at once.
         spec = self.get_worker_group().spec
@@ -228,6 +234,21 @@ class LiveRecoveryAgent(TorchAgent):
 
     # ---- starting: the first generation of a rendezvous round ------------------------------
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """The round's first generation; when the round's rank 0 was lost before it
+        committed the round's plan, the next round without it (``ROUND_ATTEMPTS`` at most)."""
+        for attempt in range(1, ROUND_ATTEMPTS + 1):
+            try:
+                return self._start_round(worker_group)
+            except RoundMemberLostError as exc:
+                if attempt == ROUND_ATTEMPTS:
+                    raise
+                log.warning("%s: this node goes into the next rendezvous round", exc)
+                handler = worker_group.spec.rdzv_handler
+                forget_nodes(handler, round_node_ids(handler, exc.missing))
+                self.rendezvous(worker_group)
+        raise AssertionError("unreachable")
+
+    def _start_round(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._holders is not None:  # torch's ranks of the round, before a plan's
             self._holders.publish(worker_group.store, worker_group.group_rank or 0,
                                   worker_group.group_world_size or 1)
@@ -251,7 +272,8 @@ class LiveRecoveryAgent(TorchAgent):
                                self.options.peer_timeout + LEASE_GRACE_MARGIN)
         self._round_agents = worker_group.group_world_size
         round_ = Round(worker_group.store, worker_group.group_rank,
-                       worker_group.group_world_size) if self._round_agents > 1 else None
+                       worker_group.group_world_size, frozenset(self._round_ours)) \
+            if self._round_agents > 1 else None
         plan, raw = self._node.coordinator.agree_on_round(
             self._arrival(worker_group, self._holding()), round_, self._job_store(worker_group))
         if plan is None:  # a round with plain torchrun agents in it
@@ -306,10 +328,14 @@ class LiveRecoveryAgent(TorchAgent):
         workers = self.process_context
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:
             result = self.torch_monitor_workers(worker_group)
+            if isinstance(workers, PerWorkerProcesses) and workers.ended_here():
+                return self._rejoin_after_own_stop(worker_group, workers)
             if result.state == WorkerState.HEALTHY:
                 self._exits.wake_if_unreported(w.id for w in worker_group.workers)
             return result
         failed, _ = workers.poll_failed()
+        if workers.ended_here():
+            return self._rejoin_after_own_stop(worker_group, workers)
         messages = self._messages(worker_group)
         # Calls and reports wake this loop; without store queues (torch < 2.6) look each time.
         look = woken or not self._wake.watching()
@@ -399,6 +425,19 @@ class LiveRecoveryAgent(TorchAgent):
         worker_group.spec.max_restarts += 1  # the count goes up, what is left stays
         self.torch_restart_workers(worker_group)
 
+    def _rejoin_after_own_stop(self, worker_group: WorkerGroup,
+                               workers: PerWorkerProcesses) -> RunResult:
+        """This agent ended its workers itself while its loop was held (the c10d store did
+        not answer: agent/store_watch.py), and the loop is back: their state is superseded,
+        so the node joins again as a left-out one does. Their exits are no failure: counted,
+        they spent --max-restarts' live restarts, and a node cut off twice ended the job
+        (the fault campaign, c10d seed 642)."""
+        log.warning("this node's workers (local rank(s) %s) were ended by their own agent "
+                    "while the rendezvous store did not answer: the node joins again (no "
+                    "restart of --max-restarts spent)", workers.ended_here())
+        self._rejoin(worker_group)
+        return RunResult(state=WorkerState.HEALTHY)
+
     def _reform(self, worker_group: WorkerGroup, workers: PerWorkerProcesses,
                 failed: Mapping[int, Any], notice: Notice | None,
                 silent: set[str] | frozenset[str] = frozenset()) -> str:
@@ -463,10 +502,12 @@ class LiveRecoveryAgent(TorchAgent):
     def assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
                             spec: WorkerSpec) -> list[Worker]:
         """torch's numbering, its waits bounded (agent/round_ranks.py)."""
+        self._round_ours = ()
         if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":  # no store: torch's
             return super().assign_worker_ranks(store, group_rank, group_world_size, spec)
         r = assign_round_ranks(store, group_rank, group_world_size, spec.role,
                                spec.local_world_size)
+        self._round_ours = r.ours
         return [Worker(local_rank=i, global_rank=r.base_global_rank + i,
                        role_rank=r.base_role_rank + i, world_size=r.global_world_size,
                        role_world_size=r.role_world_size)

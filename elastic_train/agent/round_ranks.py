@@ -39,6 +39,8 @@ MEMBERS_SECONDS = 10.0
 ranks (the others). Members leave a closed round within about a second of each other (the
 rendezvous is polled every second); a member still missing after this was lost."""
 _POLL_FIRST, _POLL_MAX = 0.02, 0.25
+OURS_FIELD = "elastic_train"
+"""A field our agents add to torch's role info (torch's reader ignores it)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ class RoundRanks:
     global_world_size: int
     base_role_rank: int
     role_world_size: int
+    ours: tuple[int, ...] = ()
+    """(Rank 0 only) the round's members whose role carries ``OURS_FIELD``: elastic-train
+    run's agents, which say what they bring next (live/coordination.py); one of them missing
+    there was lost, not a plain torchrun agent."""
 
 
 def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int, role: str,
@@ -59,18 +65,22 @@ def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int
     (rank 0; the others cannot tell who is)."""
     deadline = time.monotonic() + seconds
     store.set(f"{ROLE_INFO_PREFIX}{group_rank}", json.dumps(
-        {"role": role, "rank": group_rank, "local_world_size": local_world_size}).encode())
+        {"role": role, "rank": group_rank, "local_world_size": local_world_size,
+         OURS_FIELD: 1}).encode())
+    ours: tuple[int, ...] = ()
     if group_rank == 0:
         keys = [f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)]
         missing = _wait_for(store, keys, deadline)
         if missing:
             raise RoundMemberLostError(
                 [int(k[len(ROLE_INFO_PREFIX):]) for k in missing], group_world_size, seconds)
-        store.multi_set(*_assigned(store.multi_get(keys)))
+        infos = store.multi_get(keys)
+        store.multi_set(*_assigned(infos))
+        ours = tuple(i for i, info in enumerate(infos) if json.loads(info).get(OURS_FIELD))
     mine = f"{ASSIGNED_RANKS_PREFIX}{group_rank}"
     if _wait_for(store, [mine], deadline):
         raise RoundMemberLostError([], group_world_size, seconds)
-    return RoundRanks(*json.loads(store.get(mine)))
+    return RoundRanks(*json.loads(store.get(mine)), ours=ours)
 
 
 def _assigned(infos: list[bytes]) -> tuple[list[str], list[str]]:

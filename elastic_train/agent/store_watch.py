@@ -44,9 +44,10 @@ def end_if_store_lost(store: dist.Store, loop_at: Callable[[], float],
     loop does not come back until the store answers again. So the store is asked here,
     with a bound. No answer within ``STORE_ANSWER_SECONDS``: the store's node is lost,
     or this node is cut off; either way this node's workers hold a superseded state and
-    are ended. The agent then waits up to ``seconds`` for its loop to come
-    back (a cable put back: the blocked call completes, and the loop rejoins the job);
-    if it does not, it ends with one line."""
+    are ended (their exits are no failure: ``PerWorkerProcesses.ended_here``). The agent
+    then waits up to ``seconds`` for its loop to come back (a cable put back: the blocked
+    call completes, and the loop joins the job again, none of --max-restarts spent); if it
+    does not, it ends with one line."""
     suspected_at = time.monotonic()
     try:
         bounded(lambda: store.check([COMMITTED_KEY]), STORE_ANSWER_SECONDS)

@@ -51,6 +51,9 @@ class PerWorkerProcesses:
         self._running: dict[int, PContext] = {lr: start_one(lr, env) for lr, env in envs.items()}
         self._pids = {lr: ctx.pids()[0] for lr, ctx in self._running.items()}
         self._results: dict[int, RunProcsResult] = {}
+        self._ended_here: set[int] = set()
+        """Local ranks this node's agent ended itself (``end_now``): gone, they are not
+        failures (none of --max-restarts is spent on them) and never a success."""
         self._hold = False
         self._spare_store = spare_store
         """Where spares are given their place (live/spare.py); None: no spares."""
@@ -89,6 +92,8 @@ class PerWorkerProcesses:
             if result is None:
                 continue
             del self._running[lr]
+            if lr in self._ended_here:  # its agent ended it: no failure, no result
+                continue
             self._results[lr] = result
             if result.is_failed():
                 failure = next(iter(result.failures.values()))
@@ -96,10 +101,18 @@ class PerWorkerProcesses:
                 failed[lr] = failure
         return failed, len(self._running)
 
+    def ended_here(self) -> list[int]:
+        """The local ranks whose workers this agent ended itself (``end_now``) and that
+        are gone (as of the last poll): the agent's own stop, which must not count as the
+        workers' failure (the fault campaign, c10d seed 642: counted, it spent
+        --max-restarts and the second cut-off ended the job)."""
+        return sorted(lr for lr in self._ended_here if lr not in self._running)
+
     def restart(self, local_rank: int, extra_env: dict[str, str]) -> int:
         """Start worker ``local_rank`` again (it failed): the spare takes its place if one
         runs, else a new process is forked; its new pid."""
         self._results.pop(local_rank, None)
+        self._ended_here.discard(local_rank)
         env = {**self._envs[local_rank], **extra_env}
         spare = self._take_spare()
         if spare is not None:
@@ -157,6 +170,8 @@ class PerWorkerProcesses:
                         for lr, r in self._results.items() if r.is_failed()}
             if failures:
                 return RunProcsResult(failures=failures)
+            if self.ended_here():  # neither a failure nor a success: the agent decides
+                return None
             if not self._running:
                 return RunProcsResult(return_values={
                     lr: r.return_values.get(0) for lr, r in self._results.items()})
@@ -167,7 +182,9 @@ class PerWorkerProcesses:
     def end_now(self) -> None:
         """SIGKILL every worker (not the spare): a world that went on without them
         superseded their state, and they may wait in one of its collectives, where a
-        SIGTERM would wait out the preemption budget. The restart path starts them anew."""
+        SIGTERM would wait out the preemption budget. The restart path starts them anew.
+        Their exits are this agent's doing, never a failure (``ended_here``)."""
+        self._ended_here.update(self._running)
         for ctx in self._running.values():
             ctx.close(signal.SIGKILL, 5)
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
+from elastic_train.errors import RoundMemberLostError
 from elastic_train.live.plan import Arrival, Plan, plan_reformation, plan_round
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ UNCOMMITTED = b"uncommitted"
 """A coordinator's outcome when it could not reach the rendezvous' store to commit."""
 STOCK_ROUND = b"stock"
 """The round's plan when some agent of it is not ours: every worker starts the torch way."""
+NEXT_ROUND = b"next-round"
+"""The round's plan when one of our agents was lost before it said what it brings: every
+member goes into the next rendezvous round (a stock round instead turned live recovery off
+until the next round: the fault campaign, c10d seed 642's replay, a cable pulled 13.5 s)."""
 ROUND_PREFIX = "elastic_train/live"
 COMMITTED_KEY = f"{ROUND_PREFIX}/plan"
 """The newest committed plan: in the rendezvous' store under the job's prefix (across
@@ -72,6 +77,12 @@ REFORM_ATTEMPTS = 3
 MIXED_ROUND_SECONDS = 5.0
 """How long group rank 0 waits for the other agents of a round to say what they bring
 before it takes the round for one with plain torchrun agents in it."""
+ROUND_PLAN_SECONDS = 10.0
+"""How long an agent of a round waits for the plan its rank 0 decides, once rank 0 said
+what it brings (it decides within milliseconds): missing by then, rank 0 was lost right
+after the round closed (``RoundMemberLostError``; the agent goes into the next round). The
+store's own timeout (60 s) ended the agents instead (the fault campaign, etcd-v3 seed 540)."""
+_POLL_FIRST, _POLL_MAX = 0.02, 0.25
 
 
 class Store(Protocol):
@@ -114,6 +125,20 @@ def arrival_key(generation: int, agent: str) -> str:
 
 def plan_key(generation: int) -> str:
     return f"{PREFIX}/reform/{generation}/plan"
+
+
+def poll_for(store: Store, key: str, seconds: float) -> bool:
+    """Whether ``key`` is set in ``store`` within ``seconds``, polled: a blocking wait on
+    c10d's ``TCPStore`` holds its client (and the rendezvous' heartbeats) for its length."""
+    deadline = time.monotonic() + seconds
+    pause = _POLL_FIRST
+    while not store.check([key]):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, _POLL_MAX)
+    return True
 
 
 @dataclass(frozen=True)
@@ -227,6 +252,10 @@ class Round:
     store: Store
     rank: int
     size: int
+    ours: frozenset[int] = frozenset()
+    """(Known to rank 0) the ranks whose agents are ours (their rank assignment says so):
+    one of them that does not say what it brings was lost right after the round closed,
+    and the round is done again without it, not started the torch way."""
 
 
 class Coordinator:
@@ -267,11 +296,14 @@ class Coordinator:
 
     # ---- a round's first plan ------------------------------------------------------------
     def agree_on_round(self, arrival: Arrival, round_: Round | None, job_store: Store,
-                       now: float | None = None) -> tuple[Plan | None, bytes]:
+                       now: float | None = None, plan_seconds: float = ROUND_PLAN_SECONDS
+                       ) -> tuple[Plan | None, bytes]:
         """Every agent of the round says what it brings; group rank 0 decides and commits
         (one write and one read per agent, one multi-get for rank 0). (None, b"") when some
         agent of the round does not take part (plain torchrun joined the job): then this
-        round starts the torch way. ``round_`` None: a round of one agent."""
+        round starts the torch way. ``round_`` None: a round of one agent.
+        ``RoundMemberLostError`` when rank 0 said what it brings but committed no plan
+        within ``plan_seconds`` (lost right after the round closed)."""
         detected_at = time.time() if now is None else now
         if round_ is None:
             plan = plan_round([arrival], self.address, detected_at=detected_at)
@@ -283,19 +315,34 @@ class Coordinator:
         if round_.rank == 0:
             try:
                 store.wait(keys, timedelta(seconds=MIXED_ROUND_SECONDS))
-                plan = plan_round([Arrival.decode(r) for r in store.multi_get(keys)],
-                                  self.address, detected_at=detected_at)
-                raw = take_over(job_store, COMMITTED_KEY, plan)
-                raw = commit_plan(store, COMMITTED_KEY, b"", raw)
             except (RuntimeError, TimeoutError):  # torch's stores time out: DistStoreError
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                if missing and set(missing) <= round_.ours:
+                    commit_plan(store, COMMITTED_KEY, b"", NEXT_ROUND)
+                    raise RoundMemberLostError(missing, round_.size, MIXED_ROUND_SECONDS,
+                                               "say what they bring") from None
                 raw = commit_plan(store, COMMITTED_KEY, b"", STOCK_ROUND)
+            else:
+                try:
+                    plan = plan_round([Arrival.decode(r) for r in store.multi_get(keys)],
+                                      self.address, detected_at=detected_at)
+                    raw = take_over(job_store, COMMITTED_KEY, plan)
+                    raw = commit_plan(store, COMMITTED_KEY, b"", raw)
+                except (RuntimeError, TimeoutError):
+                    raw = commit_plan(store, COMMITTED_KEY, b"", STOCK_ROUND)
         else:
             try:
                 store.wait([keys[0]], timedelta(seconds=MIXED_ROUND_SECONDS))
             except (RuntimeError, TimeoutError):
                 raw = STOCK_ROUND  # group rank 0 is not ours: it decides nothing
             else:
+                if not poll_for(store, COMMITTED_KEY, plan_seconds):
+                    raise RoundMemberLostError([0], round_.size, plan_seconds,
+                                               "commit the round's plan")
                 raw = store.get(COMMITTED_KEY)
+                if raw == NEXT_ROUND:
+                    raise RoundMemberLostError([], round_.size, MIXED_ROUND_SECONDS,
+                                               "say what it brings")
         if raw == STOCK_ROUND:
             log.warning("an agent of this rendezvous round is not elastic-train run's (plain "
                         "torchrun?): this round starts every worker the torch way, from the "

@@ -177,6 +177,26 @@ def test_c10d_a_node_lost_right_after_a_round_closed_costs_one_bounded_wait_not_
     assert_clean(run)
 
 
+def test_c10d_a_node_cut_off_twice_spends_none_of_its_restarts_and_ends_nothing(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by c10d seed 642, made deterministic with ``--max-restarts 1``: node C cut off
+    (its incoming packets lost) twice, each time long enough for its agent to find the c10d
+    store silent and end its workers itself. Their exits were counted as the workers'
+    failure: the first cut-off spent the one live restart, the second ended the job
+    ("the live restarts of --max-restarts are spent", then torch closed the rendezvous and
+    every agent started after it was refused). Now the node joins again, nothing spent."""
+    setup = Setup(backend="c10d", launcher=("--max-restarts", "1"))
+    cut_off = Fault("one_way", "node-c", 10.0, 3.0, True, {"direction": "incoming"})
+    run = campaign(netbed, tmp_path, setup, Schedule(642, (cut_off, cut_off)))
+    show(run)
+    assert_clean(run)
+    c = run.agents["node-c"].node.output()
+    assert "live restarts of --max-restarts are spent" not in c, run.report_nodes()
+    assert c.count("were ended by their own agent while the rendezvous store did not "
+                   "answer: the node joins again (no restart of --max-restarts spent)") == 2, \
+        run.report_nodes()
+
+
 @pytest.mark.extended
 def test_replay_c10d_a_host_killed_as_it_rejoined_ends_nothing(netbed: Factory,
                                                               tmp_path: Path) -> None:
@@ -199,6 +219,33 @@ def test_replay_a_rank_0_killed_as_its_round_closed_ends_nothing(netbed: Factory
     finished")."""
     schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-etcd-v3-builtin-"
                                 "ddp-2026-11-28-2741461" / "seed-512.json").read_text())
+    run = campaign(netbed, tmp_path, Setup(), schedule, disk=True)
+    show(run)
+    assert_clean(run)
+
+
+@pytest.mark.extended
+def test_replay_c10d_a_node_cut_off_again_after_its_restarts_were_spent_ends_nothing(
+        netbed: Factory, tmp_path: Path) -> None:
+    """c10d seed 642, replayed: node C, cut off by one-way losses (faults 10, 13, 15)
+    between cables, freezes and kills, spent --max-restarts on its agent's own stops of its
+    workers, and the last cut-off ended the job ("job failed: rank 1 failed: Signal 9")."""
+    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-c10d-builtin-ddp-"
+                                "2026-11-28-f72d848" / "seed-642.json").read_text())
+    run = campaign(netbed, tmp_path, Setup(backend="c10d"), schedule, disk=True)
+    show(run)
+    assert_clean(run)
+
+
+@pytest.mark.extended
+def test_replay_a_round_s_rank_0_stopped_before_it_committed_the_plan_ends_nothing(
+        netbed: Factory, tmp_path: Path) -> None:
+    """etcd-v3 seed 540, replayed: etcd cut off twice in a row expired every lease, every
+    node went into a new round, and its rank 0 was SIGTERMed after it said what it brings
+    but before it committed the round's plan; the two others waited for that plan the
+    store's 60 s and ended (exit 1). live/coordination.py's unit test pins the bound."""
+    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-etcd-v3-builtin-"
+                                "ddp-2026-11-28-f72d848" / "seed-540.json").read_text())
     run = campaign(netbed, tmp_path, Setup(), schedule, disk=True)
     show(run)
     assert_clean(run)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from elastic_train.errors import RoundMemberLostError
 from elastic_train.live import coordination
 from elastic_train.live.coordination import (
     COMMITTED_KEY,
@@ -187,6 +188,78 @@ def test_a_round_with_an_agent_that_is_not_ours_starts_the_torch_way(
     assert round_store.get(COMMITTED_KEY) == STOCK_ROUND  # what its rank 1 would read
 
 
+def test_a_round_whose_rank_0_said_what_it_brings_but_committed_nothing_is_left_in_bounds(
+        ) -> None:
+    """The fault campaign, etcd-v3 seed 540: the round's rank 0 was SIGTERMed after it
+    wrote its arrival and before it committed the round's plan; its members waited for the
+    plan in one read bounded by the store's 60 s, and ended. Now each waits ``plan_seconds``
+    and goes into the next round (``RoundMemberLostError`` naming rank 0)."""
+    network, job = Network(), MemoryStore()
+    round_store = MemoryStore()
+    round_store.set(f"{coordination.ROUND_PREFIX}/arrival/0", Arrival(A, 2).encode())
+    member = Coordinator(B, network.store(B), network.peers(B))
+    started = time.monotonic()
+    with pytest.raises(RoundMemberLostError) as caught:
+        member.agree_on_round(Arrival(B, 2), Round(round_store, 1, 3), job, plan_seconds=0.3)
+    assert 0.3 <= time.monotonic() - started < 2.0
+    assert caught.value.missing == [0]
+    assert str(caught.value) == (
+        "member(s) [0] of a rendezvous round of 3 did not commit the round's plan within "
+        "0.3 s (lost right after the round closed)")
+    assert not job.check([COMMITTED_KEY])  # nothing committed on the lost rank 0's behalf
+    # a rank 0 that commits within the bound is waited for
+    plan = Plan(1, LIVE, (Member(A, 2), Member(B, 2)), A, "start")
+    timer = threading.Timer(0.2, round_store.set, (COMMITTED_KEY, plan.encode()))
+    timer.start()
+    got, raw = member.agree_on_round(Arrival(B, 2), Round(round_store, 1, 3), job,
+                                     plan_seconds=5.0)
+    timer.join()
+    assert got == plan and raw == plan.encode()
+
+
+def test_a_round_whose_member_of_ours_never_says_what_it_brings_is_done_again_without_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """c10d seed 642's replay: a node's cable pulled right after the round it was in closed
+    (its ranks taken): rank 0 took the round for one with plain torchrun in it, and every
+    worker of the job ran the torch way, live recovery off, until the next round (a cable
+    pulled next cost 13.5 s). A member known to be ours is lost, not torchrun: rank 0 says
+    so and every member goes into the next round."""
+    monkeypatch.setattr(coordination, "MIXED_ROUND_SECONDS", 0.2)
+    network, job = Network(), MemoryStore()
+    round_store = MemoryStore()
+    results: dict[str, object] = {}
+
+    def agree(address: str, rank: int) -> None:
+        coordinator = Coordinator(address, network.store(address), network.peers(address))
+        try:
+            results[address] = coordinator.agree_on_round(
+                Arrival(address, 2), Round(round_store, rank, 3, frozenset({0, 1, 2})), job)
+        except RoundMemberLostError as exc:
+            results[address] = exc
+
+    threads = [threading.Thread(target=agree, args=(a, r)) for a, r in ((A, 0), (B, 1))]
+    for t in threads:  # C, rank 2, was lost before it said what it brings
+        t.start()
+    for t in threads:
+        t.join(10)
+    lost_0, lost_1 = results[A], results[B]
+    assert isinstance(lost_0, RoundMemberLostError) and lost_0.missing == [2]
+    assert str(lost_0) == ("member(s) [2] of a rendezvous round of 3 did not say what they "
+                           "bring within 0.2 s (lost right after the round closed)")
+    assert isinstance(lost_1, RoundMemberLostError) and lost_1.missing == []
+    assert str(lost_1) == ("a member of the rendezvous round of 3 did not say what it brings "
+                           "within 0.2 s (lost right after the round closed)")
+    assert not job.check([COMMITTED_KEY])  # no plan taken over: the next round decides
+    # C, back late, goes into the next round too
+    late = Coordinator(C, network.store(C), network.peers(C))
+    with pytest.raises(RoundMemberLostError):
+        late.agree_on_round(Arrival(C, 2), Round(round_store, 2, 3), job)
+    # the same silence from a member not known to be ours is a plain torchrun agent
+    plan, _ = Coordinator(A, network.store(A), network.peers(A)).agree_on_round(
+        Arrival(A, 2), Round(MemoryStore(), 0, 2, frozenset({0})), job)
+    assert plan is None
+
+
 def test_the_coordination_imports_no_torch() -> None:
     import ast
     from pathlib import Path
@@ -195,7 +268,9 @@ def test_the_coordination_imports_no_torch() -> None:
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
-    assert {m for m in modules if m.startswith("elastic_train.")} == {"elastic_train.live.plan"}
+    # the plan, and the errors it raises (a leaf module: it imports nothing of ours)
+    assert {m for m in modules if m.startswith("elastic_train.")} == {
+        "elastic_train.live.plan", "elastic_train.errors"}
 
 
 def test_a_member_that_takes_the_call_and_falls_silent_is_not_waited_for() -> None:

@@ -228,6 +228,39 @@ def test_as_polled_hides_a_failure_until_live_recovery_polled_it() -> None:
     assert workers.pids(running_only=True) == {0: 100}
 
 
+def test_workers_their_agent_ended_itself_are_neither_a_failure_nor_a_success() -> None:
+    """The fault campaign, c10d seed 642: the agent ended its workers itself while the c10d
+    store did not answer; their exits (SIGKILL) were then counted as a failure, which spent
+    --max-restarts, and a second cut-off ended the job."""
+    workers, started = _workers(2)
+    workers.end_now()
+    assert all(c.closed for c in started)
+    for context in started:
+        context.outcome = _Result(failures={0: _Failure()})  # their SIGKILLed exits
+    assert workers.poll_failed() == ({}, 0)  # no failure: nothing spent on them
+    assert workers.ended_here() == [0, 1]
+    assert workers.wait(0) is None  # torch's view: neither failed nor succeeded
+    assert workers.wait(0) is None
+    workers.restart(1, {})
+    assert workers.ended_here() == [0]
+    # a worker that dies on its own after a restart is a failure again
+    started[2].outcome = _Result(failures={0: _Failure()})
+    failed, _ = workers.poll_failed()
+    assert list(failed) == [1]
+
+
+def test_a_worker_still_running_when_its_agent_ended_the_others_is_not_ended_here() -> None:
+    workers, started = _workers(2)
+    started[0].outcome = _Result(failures={0: _Failure()})  # died on its own, not polled
+    workers.poll_failed()
+    workers.end_now()  # ends the one still running
+    started[1].outcome = _Result(failures={0: _Failure()})
+    assert workers.poll_failed() == ({}, 0)
+    assert workers.ended_here() == [1]
+    result = workers.wait(0)  # the worker that failed on its own is still a failure
+    assert result is not None and list(result.failures) == [0]
+
+
 # ---- what a run shows -----------------------------------------------------------------------
 LIVE = {"event": "recovery", "kind": "live", "restart": 0, "step": 15, "world_size": 2,
         "previous_world_size": 2, "failed_ranks": [1], "steps_redone": 1, "seconds": 0.25,

@@ -57,7 +57,9 @@ def test_members_of_a_round_get_torch_s_numbering_by_role_and_local_world_size()
     sizes = [2, 1, 3]
     got = in_threads([lambda i=i: assign_round_ranks(client(store), i, 3, "trainer",
                                                      sizes[i], 10.0) for i in range(3)])
-    assert got == [RoundRanks(0, 6, 0, 6), RoundRanks(2, 6, 2, 6), RoundRanks(3, 6, 3, 6)]
+    # rank 0 also learns that every member is ours (each says what it brings next)
+    assert got == [RoundRanks(0, 6, 0, 6, ours=(0, 1, 2)), RoundRanks(2, 6, 2, 6),
+                   RoundRanks(3, 6, 3, 6)]
 
 
 def test_torch_s_own_agent_and_ours_number_the_same_round_together() -> None:
@@ -74,6 +76,25 @@ def test_torch_s_own_agent_and_ours_number_the_same_round_together() -> None:
         client(store), 1, 2, "trainer", 3, 10.0)])
     assert [(w.global_rank, w.world_size) for w in theirs] == [(0, 5), (1, 5)]
     assert ours == RoundRanks(2, 5, 2, 5)
+
+
+def test_our_rank_0_tells_a_plain_torchrun_member_from_ours() -> None:
+    """A member that does not say what it brings after the ranks is a lost one if it is
+    ours, a plain torchrun agent if not (live/coordination.agree_on_round): rank 0 learns
+    which is which from the same role info torch reads (its reader ignores the mark)."""
+    store = server()
+
+    def torch_member() -> list[Any]:
+        spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=None,  # type: ignore[arg-type]
+                          entrypoint="x")
+        return SimpleElasticAgent._assign_worker_ranks(  # type: ignore[misc]
+            object(), client(store), 1, 3, spec)  # type: ignore[arg-type]
+
+    first, theirs, last = in_threads([
+        lambda: assign_round_ranks(client(store), 0, 3, "trainer", 2, 10.0), torch_member,
+        lambda: assign_round_ranks(client(store), 2, 3, "trainer", 1, 10.0)])
+    assert first == RoundRanks(0, 4, 0, 4, ours=(0, 2)) and last == RoundRanks(3, 4, 3, 4)
+    assert [(w.global_rank, w.world_size) for w in theirs] == [(2, 4)]
 
 
 def test_a_member_lost_right_after_the_round_closed_is_named_by_rank_0_within_the_bound(
