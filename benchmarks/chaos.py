@@ -96,6 +96,32 @@ def agent_starts(workdir: Path) -> list[dict[str, object]]:
     return starts
 
 
+PATHS = {
+    "next round (a member lost right after a round closed)":
+        "this node goes into the next rendezvous round",
+    "workers ended while the c10d store was silent": "the c10d rendezvous store does not answer",
+    "joined again after its own stop of its workers": "were ended by their own agent",
+    "left out, joined again": "the others re-formed the world without this node",
+    "stock rounds (live recovery off)": "an agent of this rendezvous round is not elastic-train",
+}
+"""Recovery paths worth counting in a soak: a name, and the agent's line that says it ran."""
+
+
+def recovery_paths(workdir: Path) -> dict[str, int]:
+    """How many agent lines of each of ``PATHS`` the node logs of ``workdir`` hold."""
+    text = "".join(f.read_text(errors="replace") for f in sorted(workdir.glob("*.log")))
+    return {name: text.count(line) for name, line in PATHS.items()}
+
+
+def paths_line(campaigns: list[dict[str, object]]) -> str:
+    """The recovery paths every campaign so far took, summed (agent lines, so a path that
+    every member takes counts once per member)."""
+    total = {name: sum(int(c.get("paths", {}).get(name, 0)) for c in campaigns)  # type: ignore[union-attr]
+             for name in PATHS}
+    return "- recovery paths taken (agents' lines): " + "; ".join(
+        f"{name} {count}" for name, count in total.items())
+
+
 def starts_line(campaigns: list[dict[str, object]]) -> str:
     """The agents started again after a fault: their start to ready to join, p50 / max."""
     again = [s for c in campaigns for s in c.get("agent_starts", []) if s["life"] > 0]
@@ -188,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         records, violations, died = run_campaign(
             setup, schedule, workdir, disk=any(f.kind == "disk_full" for f in schedule.faults))
         starts = agent_starts(workdir)
+        paths = recovery_paths(workdir)
         with open(out / "faults.jsonl", "a") as f:
             for r in records:
                 f.write(json.dumps({
@@ -199,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps({
                 "seed": schedule.seed, "faults": len(records), "died": died,
                 "violations": violations, "minutes": round((time.monotonic() - began) / 60, 2),
-                "agent_starts": starts,
+                "agent_starts": starts, "paths": paths,
                 "commit": commit, "date": stamp, "machine": platform.node(),
                 "command": "python benchmarks/chaos.py " + " ".join(argv or sys.argv[1:])})
                 + "\n")
@@ -243,6 +270,7 @@ def summary(out: Path, title: str) -> str:
         "(silent exits, wedges, sample errors, unverified checkpoints, leaks: all counted "
         "there)",
         starts_line(campaigns),
+        paths_line(campaigns),
         "",
         table(records),
         "",

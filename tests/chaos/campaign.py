@@ -50,6 +50,10 @@ FINAL_BOUND = 60.0
 default, and the agent's own shutdown)."""
 RENDEZVOUS_CLOSED = "a job with this --rdzv-id already finished"
 """An agent's last line when the job's rendezvous is closed (the job ended)."""
+STOCK_ROUND = "an agent of this rendezvous round is not elastic-train run's"
+"""An agent's line when its round started every worker the torch way (live recovery off
+until the next round): in a campaign every agent is ours, so it is a member lost and taken
+for plain torchrun (c10d seed 642's replay: a cable pulled next cost 13.5 s)."""
 JOB_DEATH_WINDOW = 10.0
 """Every node's agent ending by itself within this many seconds (each one started again as
 it ends) is the whole job ending."""
@@ -543,6 +547,30 @@ class Campaign:
             self.violations.append(Violation("a checkpoint does not verify", None, bad))
         for problem in audit_samples(self.run_dir, self.setup.loop, BUILTIN_SAMPLES):
             self.violations.append(Violation("sample audit", None, problem))
+        self._stock_rounds()
+
+    def _stock_rounds(self) -> None:
+        """A round of our agents only never starts the torch way (one violation per fault
+        it followed: every agent of the round says it)."""
+        seen: set[int | None] = set()
+        for agent in self.lives:
+            for line in agent.node.output().splitlines():
+                if STOCK_ROUND not in line:
+                    continue
+                fault = self._fault_before(_stamp(line))
+                if fault not in seen:
+                    seen.add(fault)
+                    self.violations.append(Violation(
+                        "a round of elastic-train agents only started every worker the torch "
+                        "way (live recovery off until the next round)", fault,
+                        f"{agent.node.log_path.name}: {line[:200]}"))
+
+    def _fault_before(self, at: float | None) -> int | None:
+        """The index of the last fault applied at or before ``at``."""
+        if at is None:
+            return None
+        before = [r.index for r in self.records if r.at is not None and r.at <= at]
+        return before[-1] if before else None
 
     # ---- footprints and reports --------------------------------------------------------------
     @staticmethod
@@ -568,3 +596,11 @@ class Campaign:
 
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}s"
+
+
+def _stamp(line: str) -> float | None:
+    """The time a node log's line was written (its first field, tests/integration/hosts.py)."""
+    try:
+        return float(line.split(" ", 1)[0])
+    except ValueError:
+        return None

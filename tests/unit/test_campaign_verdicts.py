@@ -97,3 +97,26 @@ def test_an_agent_refused_by_a_closed_rendezvous_is_the_whole_job_ending(
     assert campaign.job_died
     assert campaign.violations[-1].what == \
         "the whole job ended by itself (its rendezvous was closed)"
+
+
+def test_a_round_of_our_agents_started_the_torch_way_is_one_violation_per_fault(
+        campaign: Campaign) -> None:
+    """c10d seed 642's replay: a member cut off right after a round closed was taken for
+    plain torchrun, and the round ran without live recovery; nothing else flagged it."""
+    from tests.chaos.campaign import STOCK_ROUND, FaultRecord
+    from tests.chaos.schedule import Fault
+
+    campaign.records = [FaultRecord(0, Fault("cable", "node-c", 8.0, 3.0, True), 100.0),
+                        FaultRecord(1, Fault("cable", "node-b", 8.0, 3.0, True), 200.0)]
+    said = f"{STOCK_ROUND} (plain torchrun?): this round starts every worker the torch way"
+    a = agent("node-a", True, last=f"150.0 {said}\n160.0 step 5")
+    b = agent("node-b", True, last=f"150.2 {said}")
+    lives(campaign, a, b, agent("node-c", True, last="150.0 step 4"))
+    try:
+        campaign._stock_rounds()
+    finally:
+        teardown(campaign)
+    assert [(v.fault, v.detail.split(":")[0]) for v in campaign.violations] == [
+        (0, "node-a.log")]
+    assert campaign.violations[0].what.startswith(
+        "a round of elastic-train agents only started every worker the torch way")

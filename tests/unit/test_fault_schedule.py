@@ -53,3 +53,37 @@ def test_the_soak_reads_each_agents_start_from_the_launchers_own_line(tmp_path: 
         "- agents started again after a fault: 1; from the launcher's start to ready to join "
         "p50 / max 9.46 / 9.46 s, of which torch imported by 6.22 / 6.22 s, the torch check "
         "2.98 / 2.98 s")
+
+
+def test_the_soak_counts_the_recovery_paths_by_the_agents_own_lines(tmp_path: Path) -> None:
+    """Each path's line is the one the agent writes (a changed message must change here)."""
+    import importlib.util
+
+    from elastic_train.errors import RoundMemberLostError
+
+    spec = importlib.util.spec_from_file_location(
+        "chaos_soak", Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py")
+    assert spec is not None and spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    agent = (Path(__file__).resolve().parents[2] / "elastic_train" / "agent"
+             / "live_agent.py").read_text()
+    coordination = (Path(__file__).resolve().parents[2] / "elastic_train" / "live"
+                    / "coordination.py").read_text()
+    for line in soak.PATHS.values():
+        assert line in agent or line in coordination or line in (
+            Path(__file__).resolve().parents[2] / "elastic_train" / "agent"
+            / "store_watch.py").read_text(), line
+    lost = RoundMemberLostError([2], 3, 5.0, "say what they bring")
+    (tmp_path / "node-a.0.log").write_text(
+        f"1.0 {lost}: this node goes into the next rendezvous round\n"
+        "2.0 the others re-formed the world without this node: it ends its workers\n")
+    (tmp_path / "node-b.1.log").write_text(
+        f"1.0 {lost}: this node goes into the next rendezvous round\n")
+    paths = soak.recovery_paths(tmp_path)
+    assert paths["next round (a member lost right after a round closed)"] == 2
+    assert paths["left out, joined again"] == 1
+    assert paths["stock rounds (live recovery off)"] == 0
+    assert soak.paths_line([{"paths": paths}, {}]).startswith(
+        "- recovery paths taken (agents' lines): next round (a member lost right after a "
+        "round closed) 2; ")
