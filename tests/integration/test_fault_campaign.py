@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests import netbed as nb
-from tests.chaos.campaign import Campaign, FaultRecord, Setup
+from tests.chaos.campaign import STOCK_ROUND, Campaign, FaultRecord, Setup
 from tests.chaos.disk import small_disk
 from tests.chaos.schedule import Fault, Schedule, make_schedule
 from tests.integration import harness
@@ -171,6 +171,37 @@ def test_c10d_a_node_lost_right_after_a_round_closed_costs_one_bounded_wait_not_
     assert "member(s) [2] of a rendezvous round of 3 did not take their worker ranks within " \
            "10 s (lost right after the round closed): this node goes into the next " \
            "rendezvous round" in a, run.report_nodes()
+    # the members' workers trained on through both rounds (never stopped, never restarted)
+    assert {name: run._worker_pid(name, 0) for name in workers} == workers
+    run.finish()
+    assert_clean(run)
+
+
+def test_c10d_a_member_lost_after_its_ranks_costs_a_round_not_live_recovery(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by c10d seed 642's replay (a node's cable pulled right after the round it
+    rejoined closed), made deterministic: a node (torch's handler and our rank assignment,
+    on node C's host) takes its worker ranks in the round the others go into for it, and
+    ends before it says what it brings. The round's rank 0 took it for a plain torchrun
+    agent: every worker of the job restarted the torch way, live recovery off until the next
+    round. Now the members go into the next round while their workers train on (never
+    restarted), and the node that comes back finds the full world."""
+    run = started_without_node_c(netbed, tmp_path, Setup(backend="c10d"))
+    bed = run.bed
+    workers = {name: run._worker_pid(name, 0) for name in ("node-a", "node-b")}
+    c = bed.host("node-c")
+    joined_at = time.time()
+    out = c.run([sys.executable, str(LOST_MEMBER), f"{bed.host('node-a').ip}:29400",
+                 run.rdzv_id, "3", c.ip, "--after-ranks"], timeout=120).stdout
+    assert '"world_size": 3' in out and '"ranks_of": 3' in out, out
+    run.start_agent("node-c")
+    assert run._wait(lambda: run._step_at_world(3, joined_at), 120), run.report_nodes()
+    assert not run.violations, "\n".join(map(str, run.violations)) + run.report_nodes()
+    a = run.agents["node-a"].node.output()
+    assert "member(s) [2] of a rendezvous round of 3 did not say what they bring within " \
+           "5 s (lost right after the round closed): this node goes into the next " \
+           "rendezvous round" in a, run.report_nodes()
+    assert STOCK_ROUND not in a + run.agents["node-b"].node.output()
     # the members' workers trained on through both rounds (never stopped, never restarted)
     assert {name: run._worker_pid(name, 0) for name in workers} == workers
     run.finish()
