@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from elastic_train import __version__
 from elastic_train.config import run_location, storage_from_options
 from elastic_train.errors import ElasticTrainError
-from elastic_train.process_exit import exit_process
+from elastic_train.process_exit import exit_command
 from elastic_train.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -240,4 +240,4 @@ def console() -> NoReturn:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         code = BROKEN_PIPE_EXIT
-    exit_process(code)
+    exit_command(code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
@@ -38,6 +39,25 @@ def exit_process(code: int) -> NoReturn:
     if any(t.is_alive() for t in _left_in_c):
         exit_now(code)
     sys.exit(code)
+
+
+def exit_command(code: int) -> NoReturn:
+    """End an ``elastic-train`` command with ``code``: its threads that are not daemons are
+    joined, its atexit handlers run, its logs and streams are flushed, as at any exit; then
+    the process ends without the interpreter's teardown.
+
+    In that teardown, a daemon thread coming back from a C++ call (torch's rendezvous
+    keep-alive, a store's wait) is ended by the interpreter inside C++ frames, and the
+    process aborts ("terminate called without an active exception", exit -6 instead of its
+    own code): the fault campaign, c10d seed 652, an agent's exit on the final SIGTERM,
+    after its last line. Nothing of the command's waits for the teardown (its files are
+    written line by line and closed)."""
+    gc.freeze()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    exit_now(code)
 
 
 def exit_now(code: int) -> NoReturn:
