@@ -269,6 +269,19 @@ def test_replay_c10d_a_node_cut_off_again_after_its_restarts_were_spent_ends_not
 
 
 @pytest.mark.extended
+def test_replay_c10d_seed_652_every_agent_ends_with_143_on_the_final_sigterm(
+        netbed: Factory, tmp_path: Path) -> None:
+    """c10d seed 652, replayed: on the final SIGTERM one agent ended with -6 after its last
+    line (a daemon thread back from a C++ store call in the interpreter's teardown).
+    tests/unit/test_process_exit.py reproduces it deterministically."""
+    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-c10d-builtin-ddp-"
+                                "2026-11-28-69b6e60" / "seed-652.json").read_text())
+    run = campaign(netbed, tmp_path, Setup(backend="c10d"), schedule, disk=True)
+    show(run)
+    assert_clean(run)
+
+
+@pytest.mark.extended
 def test_replay_a_round_s_rank_0_stopped_before_it_committed_the_plan_ends_nothing(
         netbed: Factory, tmp_path: Path) -> None:
     """etcd-v3 seed 540, replayed: etcd cut off twice in a row expired every lease, every
