@@ -236,17 +236,15 @@ class LiveRecoveryAgent(TorchAgent):
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         """The round's first generation; when the round's rank 0 was lost before it
         committed the round's plan, the next round without it (``ROUND_ATTEMPTS`` at most)."""
-        for attempt in range(1, ROUND_ATTEMPTS + 1):
+        for _ in range(ROUND_ATTEMPTS - 1):
             try:
                 return self._start_round(worker_group)
             except RoundMemberLostError as exc:
-                if attempt == ROUND_ATTEMPTS:
-                    raise
                 log.warning("%s: this node goes into the next rendezvous round", exc)
                 handler = worker_group.spec.rdzv_handler
                 forget_nodes(handler, round_node_ids(handler, exc.missing))
                 self.rendezvous(worker_group)
-        raise AssertionError("unreachable")
+        return self._start_round(worker_group)  # the last attempt: its error is the agent's
 
     def _start_round(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._holders is not None:  # torch's ranks of the round, before a plan's

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from elastic_train.errors import RoundMemberLostError
+from elastic_train.live.coordination import poll_for
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,6 @@ MEMBERS_SECONDS = 10.0
 """How long a member of a closed round waits for the others' roles (rank 0) or for its
 ranks (the others). Members leave a closed round within about a second of each other (the
 rendezvous is polled every second); a member still missing after this was lost."""
-_POLL_FIRST, _POLL_MAX = 0.02, 0.25
 OURS_FIELD = "elastic_train"
 """A field our agents add to torch's role info (torch's reader ignores it)."""
 
@@ -103,14 +103,9 @@ def _assigned(infos: list[bytes]) -> tuple[list[str], list[str]]:
 
 def _wait_for(store: dist.Store, keys: list[str], deadline: float) -> list[str]:
     """Poll until every key of ``keys`` exists or ``deadline``; the keys still missing."""
-    pause = _POLL_FIRST
-    while True:
-        if store.check(keys):
-            return []
-        if time.monotonic() >= deadline:
-            return [k for k in keys if not store.check([k])]
-        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        pause = min(pause * 2, _POLL_MAX)
+    if poll_for(store, keys, deadline - time.monotonic()):
+        return []
+    return [k for k in keys if not store.check([k])]
 
 
 ROUND_ATTEMPTS = 10

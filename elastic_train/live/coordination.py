@@ -127,12 +127,13 @@ def plan_key(generation: int) -> str:
     return f"{PREFIX}/reform/{generation}/plan"
 
 
-def poll_for(store: Store, key: str, seconds: float) -> bool:
-    """Whether ``key`` is set in ``store`` within ``seconds``, polled: a blocking wait on
-    c10d's ``TCPStore`` holds its client (and the rendezvous' heartbeats) for its length."""
+def poll_for(store: Store, keys: list[str], seconds: float) -> bool:
+    """Whether every key of ``keys`` is set in ``store`` within ``seconds``, polled: a
+    blocking wait on c10d's ``TCPStore`` holds its client (and the rendezvous' heartbeats)
+    for its length (agent/round_ranks.py polls the same way)."""
     deadline = time.monotonic() + seconds
     pause = _POLL_FIRST
-    while not store.check([key]):
+    while not store.check(keys):
         left = deadline - time.monotonic()
         if left <= 0:
             return False
@@ -336,7 +337,7 @@ class Coordinator:
             except (RuntimeError, TimeoutError):
                 raw = STOCK_ROUND  # group rank 0 is not ours: it decides nothing
             else:
-                if not poll_for(store, COMMITTED_KEY, plan_seconds):
+                if not poll_for(store, [COMMITTED_KEY], plan_seconds):
                     raise RoundMemberLostError([0], round_.size, plan_seconds,
                                                "commit the round's plan")
                 raw = store.get(COMMITTED_KEY)

@@ -54,6 +54,16 @@ def campaign(netbed: Factory, tmp_path: Path, setup: Setup, schedule: Schedule,
     return run
 
 
+def replay(netbed: Factory, tmp_path: Path, folder: str, seed: int, setup: Setup) -> None:
+    """Run the schedule a soak kept (benchmarks/results/FOLDER/seed-SEED.json) on a fresh
+    bed, the run dir on a small disk of its own; it must break nothing."""
+    schedule = Schedule.decode(
+        (REPO / "benchmarks" / "results" / folder / f"seed-{seed}.json").read_text())
+    run = campaign(netbed, tmp_path, setup, schedule, disk=True)
+    show(run)
+    assert_clean(run)
+
+
 def assert_clean(run: Campaign) -> None:
     assert not run.violations, "\n".join(map(str, run.violations)) + "\n" + run.report_nodes()
 
@@ -233,11 +243,7 @@ def test_replay_c10d_a_host_killed_as_it_rejoined_ends_nothing(netbed: Factory,
                                                               tmp_path: Path) -> None:
     """c10d seed 403, replayed: its schedule ended every agent (exit 1, DistStoreError)
     60 s after node C was killed right after the round it rejoined closed."""
-    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-c10d-builtin-ddp-"
-                                "2026-11-28" / "seed-403.json").read_text())
-    run = campaign(netbed, tmp_path, Setup(backend="c10d"), schedule, disk=True)
-    show(run)
-    assert_clean(run)
+    replay(netbed, tmp_path, "chaos-c10d-builtin-ddp-2026-11-28", 403, Setup(backend="c10d"))
 
 
 @pytest.mark.extended
@@ -248,11 +254,7 @@ def test_replay_a_rank_0_killed_as_its_round_closed_ends_nothing(netbed: Factory
     store's 60 s and ended, and torch's launcher closed the rendezvous as they did, so that
     every agent started after them was refused ("a job with this --rdzv-id already
     finished")."""
-    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-etcd-v3-builtin-"
-                                "ddp-2026-11-28-2741461" / "seed-512.json").read_text())
-    run = campaign(netbed, tmp_path, Setup(), schedule, disk=True)
-    show(run)
-    assert_clean(run)
+    replay(netbed, tmp_path, "chaos-etcd-v3-builtin-ddp-2026-11-28-2741461", 512, Setup())
 
 
 @pytest.mark.extended
@@ -261,11 +263,8 @@ def test_replay_c10d_a_node_cut_off_again_after_its_restarts_were_spent_ends_not
     """c10d seed 642, replayed: node C, cut off by one-way losses (faults 10, 13, 15)
     between cables, freezes and kills, spent --max-restarts on its agent's own stops of its
     workers, and the last cut-off ended the job ("job failed: rank 1 failed: Signal 9")."""
-    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-c10d-builtin-ddp-"
-                                "2026-11-28-f72d848" / "seed-642.json").read_text())
-    run = campaign(netbed, tmp_path, Setup(backend="c10d"), schedule, disk=True)
-    show(run)
-    assert_clean(run)
+    replay(netbed, tmp_path, "chaos-c10d-builtin-ddp-2026-11-28-f72d848", 642,
+           Setup(backend="c10d"))
 
 
 @pytest.mark.extended
@@ -274,11 +273,8 @@ def test_replay_c10d_seed_652_every_agent_ends_with_143_on_the_final_sigterm(
     """c10d seed 652, replayed: on the final SIGTERM one agent ended with -6 after its last
     line (a daemon thread back from a C++ store call in the interpreter's teardown).
     tests/unit/test_process_exit.py reproduces it deterministically."""
-    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-c10d-builtin-ddp-"
-                                "2026-11-28-69b6e60" / "seed-652.json").read_text())
-    run = campaign(netbed, tmp_path, Setup(backend="c10d"), schedule, disk=True)
-    show(run)
-    assert_clean(run)
+    replay(netbed, tmp_path, "chaos-c10d-builtin-ddp-2026-11-28-69b6e60", 652,
+           Setup(backend="c10d"))
 
 
 @pytest.mark.extended
@@ -288,11 +284,7 @@ def test_replay_a_round_s_rank_0_stopped_before_it_committed_the_plan_ends_nothi
     node went into a new round, and its rank 0 was SIGTERMed after it said what it brings
     but before it committed the round's plan; the two others waited for that plan the
     store's 60 s and ended (exit 1). live/coordination.py's unit test pins the bound."""
-    schedule = Schedule.decode((REPO / "benchmarks" / "results" / "chaos-etcd-v3-builtin-"
-                                "ddp-2026-11-28-f72d848" / "seed-540.json").read_text())
-    run = campaign(netbed, tmp_path, Setup(), schedule, disk=True)
-    show(run)
-    assert_clean(run)
+    replay(netbed, tmp_path, "chaos-etcd-v3-builtin-ddp-2026-11-28-f72d848", 540, Setup())
 
 
 @pytest.mark.extended

@@ -4,6 +4,7 @@ taking a protected host's node."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,16 +34,22 @@ def test_an_unknown_kind_is_refused_with_the_known_ones() -> None:
         make_schedule(1, 1, HOSTS, ["meteor"])
 
 
-def test_the_soak_reads_each_agents_start_from_the_launchers_own_line(tmp_path: Path) -> None:
+def soak_module() -> Any:
+    """benchmarks/chaos.py, loaded as a module (it is a script, not a package's)."""
     import importlib.util
-
-    from elastic_train.agent.launch import READY_LINE
 
     spec = importlib.util.spec_from_file_location(
         "chaos_soak", Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py")
     assert spec is not None and spec.loader is not None
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
+    return soak
+
+
+def test_the_soak_reads_each_agents_start_from_the_launchers_own_line(tmp_path: Path) -> None:
+    from elastic_train.agent.launch import READY_LINE
+
+    soak = soak_module()
     line = READY_LINE.format(ready=9.46, torch=6.22, check=2.98, preflight=0.26)
     (tmp_path / "node-c.1.log").write_text(f"1795873355.45 {line}\n1795873356.0 later\n")
     (tmp_path / "node-a.0.log").write_text("1795873300.0 an agent that never got ready\n")
@@ -57,23 +64,14 @@ def test_the_soak_reads_each_agents_start_from_the_launchers_own_line(tmp_path: 
 
 def test_the_soak_counts_the_recovery_paths_by_the_agents_own_lines(tmp_path: Path) -> None:
     """Each path's line is the one the agent writes (a changed message must change here)."""
-    import importlib.util
-
     from elastic_train.errors import RoundMemberLostError
 
-    spec = importlib.util.spec_from_file_location(
-        "chaos_soak", Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py")
-    assert spec is not None and spec.loader is not None
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
-    agent = (Path(__file__).resolve().parents[2] / "elastic_train" / "agent"
-             / "live_agent.py").read_text()
-    coordination = (Path(__file__).resolve().parents[2] / "elastic_train" / "live"
-                    / "coordination.py").read_text()
+    soak = soak_module()
+    package = Path(__file__).resolve().parents[2] / "elastic_train"
+    sources = "".join((package / m).read_text() for m in (
+        "agent/live_agent.py", "agent/store_watch.py", "live/coordination.py"))
     for line in soak.PATHS.values():
-        assert line in agent or line in coordination or line in (
-            Path(__file__).resolve().parents[2] / "elastic_train" / "agent"
-            / "store_watch.py").read_text(), line
+        assert line in sources, line
     lost = RoundMemberLostError([2], 3, 5.0, "say what they bring")
     (tmp_path / "node-a.0.log").write_text(
         f"1.0 {lost}: this node goes into the next rendezvous round\n"

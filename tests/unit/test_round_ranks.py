@@ -52,6 +52,15 @@ def in_threads(calls: list[Callable[[], Any]]) -> list[Any]:
     return results
 
 
+def torch_member(store: Any, group_rank: int, members: int, local_world_size: int
+                 ) -> list[Any]:
+    """torch's own agent's rank assignment, as a member of the round (plain torchrun)."""
+    spec = WorkerSpec(role="trainer", local_world_size=local_world_size,
+                      rdzv_handler=None, entrypoint="x")  # type: ignore[arg-type]
+    return SimpleElasticAgent._assign_worker_ranks(  # type: ignore[misc]
+        object(), client(store), group_rank, members, spec)  # type: ignore[arg-type]
+
+
 def test_members_of_a_round_get_torch_s_numbering_by_role_and_local_world_size() -> None:
     store = server()
     sizes = [2, 1, 3]
@@ -66,13 +75,7 @@ def test_torch_s_own_agent_and_ours_number_the_same_round_together() -> None:
     """Same keys, same values: a round may hold a plain torchrun agent (as rank 0 here)."""
     store = server()
 
-    def torch_member() -> list[Any]:
-        spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=None,  # type: ignore[arg-type]
-                          entrypoint="x")
-        return SimpleElasticAgent._assign_worker_ranks(  # type: ignore[misc]
-            object(), client(store), 0, 2, spec)  # type: ignore[arg-type]
-
-    theirs, ours = in_threads([torch_member, lambda: assign_round_ranks(
+    theirs, ours = in_threads([lambda: torch_member(store, 0, 2, 2), lambda: assign_round_ranks(
         client(store), 1, 2, "trainer", 3, 10.0)])
     assert [(w.global_rank, w.world_size) for w in theirs] == [(0, 5), (1, 5)]
     assert ours == RoundRanks(2, 5, 2, 5)
@@ -84,14 +87,9 @@ def test_our_rank_0_tells_a_plain_torchrun_member_from_ours() -> None:
     which is which from the same role info torch reads (its reader ignores the mark)."""
     store = server()
 
-    def torch_member() -> list[Any]:
-        spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=None,  # type: ignore[arg-type]
-                          entrypoint="x")
-        return SimpleElasticAgent._assign_worker_ranks(  # type: ignore[misc]
-            object(), client(store), 1, 3, spec)  # type: ignore[arg-type]
-
     first, theirs, last = in_threads([
-        lambda: assign_round_ranks(client(store), 0, 3, "trainer", 2, 10.0), torch_member,
+        lambda: assign_round_ranks(client(store), 0, 3, "trainer", 2, 10.0),
+        lambda: torch_member(store, 1, 3, 1),
         lambda: assign_round_ranks(client(store), 2, 3, "trainer", 1, 10.0)])
     assert first == RoundRanks(0, 4, 0, 4, ours=(0, 2)) and last == RoundRanks(3, 4, 3, 4)
     assert [(w.global_rank, w.world_size) for w in theirs] == [(2, 4)]
