@@ -139,6 +139,18 @@ def starts_line(campaigns: list[dict[str, object]]) -> str:
             "the rendezvous, the workers' start and the re-formation)")
 
 
+SLOW_KILL_SECONDS = 1.0
+"""A killed host or worker costs well under this to the next step (0.1-0.7 s): a campaign
+with a slower one keeps its logs, so that the slow path can be read."""
+
+
+def slow_kills(records: list[FaultRecord]) -> list[str]:
+    """The kills of a campaign that cost more than ``SLOW_KILL_SECONDS`` to the next step."""
+    return [f"fault {r.index} {r.fault.kind} {r.fault.host} {r.next_step:.2f} s"
+            for r in records if r.fault.kind in ("host_kill", "worker_kill")
+            and r.next_step is not None and r.next_step > SLOW_KILL_SECONDS]
+
+
 def run_campaign(setup: Setup, schedule: Schedule, workdir: Path, disk: bool
                  ) -> tuple[list[FaultRecord], list[str], bool]:
     """One campaign on a fresh bed; (records, violations, whether the job died)."""
@@ -179,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a schedule file (seed-N.json) to run again")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep-logs", action="store_true",
-                        help="keep every campaign's node logs and run dir (a failed "
-                             "campaign's are always kept)")
+                        help="keep every campaign's node logs and run dir (those of a "
+                             "failed campaign, or of one with a kill slower than "
+                             f"{SLOW_KILL_SECONDS:g} s, are always kept)")
     args = parser.parse_args(argv)
     reason = nb.unavailable_reason()
     if reason is not None:
@@ -236,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
             for v in violations:
                 print(f"[chaos] VIOLATION seed {schedule.seed}: {v}", flush=True)
             print(f"[chaos] logs kept in {workdir}", flush=True)
-        elif not args.keep_logs:
+        slow = slow_kills(records)
+        if slow and not violations:  # not a violation, but not understood either
+            print(f"[chaos] slow kill(s) in seed {schedule.seed}: {slow}; logs kept in "
+                  f"{workdir}", flush=True)
+        elif not violations and not args.keep_logs:
             subprocess.run(["rm", "-rf", str(workdir)], check=False)
         text = summary(out, f"{args.backend}, {args.loop} loop, {args.parallelism}")
         (out / "README.md").write_text(text)

@@ -340,6 +340,8 @@ class LiveRecoveryAgent(TorchAgent):
         notice = self._node.coordinator.notice() if look and self._node else None
         reported = look and messages.failed_collective(self._plan.generation)
         silent = self._node.silent() if self._node else set()
+        if look and self._node:  # members that said they leave (torch's restart path)
+            silent |= self._node.coordinator.leavers()
         if reported:  # nodes signalled alone leave: neither called nor waited for
             members = self._plan.members
             silent |= {members[i].agent for i in messages.leaving(self._plan.generation)
@@ -361,6 +363,7 @@ class LiveRecoveryAgent(TorchAgent):
         if why_not is not None:
             log.warning("the world cannot re-form in place (%s): every worker of this node "
                         "restarts from the newest checkpoint", why_not)
+            self._leave_world()
             self._messages(worker_group).release()
             return self.torch_monitor_workers(worker_group) if failed \
                 else RunResult(state=WorkerState.UNHEALTHY)
@@ -374,6 +377,20 @@ class LiveRecoveryAgent(TorchAgent):
             return RunResult(state=WorkerState.HEALTHY)
         return RunResult(state=WorkerState.UNHEALTHY, failures={
             worker_group.workers[lr].global_rank: failure for lr, failure in failed.items()})
+
+    def _leave_world(self) -> None:
+        """This node takes torch's restart path out of a world with other members: they
+        learn it at once and re-form without it (live/coordination.py's ``leave``), then
+        take it back through its new rendezvous round. Unsaid, the first to notice called
+        it and waited ``ARRIVE_SECONDS``, and its round closed alone meanwhile (the fault
+        campaign, etcd-v3 seed 561)."""
+        if self._node is None or self._plan is None or len(self._plan.members) < 2:
+            return
+        generation = self._plan.generation
+        told = self._node.coordinator.leave()
+        log.warning("this node leaves the world of generation %d and joins again through a "
+                    "new rendezvous round; told %d of its %d other member(s)", generation,
+                    len(told), len(self._plan.members) - 1)
 
     def _round_waiting(self, worker_group: WorkerGroup) -> bool:
         """Whether a node waits in the rendezvous for a new round (torch's agent takes

@@ -23,6 +23,10 @@ hooks and the translation to and from torch's worker group, and calls it:
   older generation than the newest held start again (``plan._without_stale_holders``).
   A member follows its coordinator (``follow``), and coordinates itself when that one is
   gone (``REFORM_ATTEMPTS``).
+- ``leave`` when this agent takes torch's restart path out of a world with other members
+  (its live restarts spent, its workers not ready): it tells them in their stores
+  (``leaving_key``), and they re-form without it at once (``leavers``), neither calling it
+  nor waiting for it.
 
 Where does a new recovery path go? Its decision (who is in the next world, from what) in
 live/plan.py, as a pure function of arrivals; its agreement (who decides, how the others
@@ -82,6 +86,12 @@ ROUND_PLAN_SECONDS = 10.0
 what it brings (it decides within milliseconds): missing by then, rank 0 was lost right
 after the round closed (``RoundMemberLostError``; the agent goes into the next round). The
 store's own timeout (60 s) ended the agents instead (the fault campaign, etcd-v3 seed 540)."""
+LEAVING_PREFIX = f"{PREFIX}/leaving"
+"""Under it, in the other members' stores, an agent that leaves the world says so (its
+value: the generation it leaves). Without it, the member that noticed the failure called the
+leaving agent, busy with torch's restart path, and waited ``ARRIVE_SECONDS`` for it; the
+leaving node's new rendezvous round meanwhile closed with it alone, trained from the newest
+checkpoint and took the job's plan over (the fault campaign, etcd-v3 seed 561)."""
 _POLL_FIRST, _POLL_MAX = 0.02, 0.25
 
 
@@ -121,6 +131,11 @@ class Peers(Protocol):
 
 def arrival_key(generation: int, agent: str) -> str:
     return f"{PREFIX}/reform/{generation}/arrival/{agent}"
+
+
+def leaving_key(agent: str) -> str:
+    """Where ``agent`` says, in another member's store, that it leaves the world."""
+    return f"{LEAVING_PREFIX}/{agent}"
 
 
 def plan_key(generation: int) -> str:
@@ -351,6 +366,36 @@ class Coordinator:
             return None, b""
         return Plan.decode(raw), bytes(raw)
 
+    # ---- leaving a world -------------------------------------------------------------------
+    def leave(self) -> set[str]:
+        """Tell the other members of ``self.plan`` that this agent leaves its world (it takes
+        torch's restart path and comes back through a rendezvous round); the members told.
+        Bounded as every call to a peer (live/peers.py), never waiting for a suspect."""
+        plan = self.plan
+        if plan is None:
+            return set()
+        others = [a for a in plan.agents if a != self.address]
+        if not others:
+            return set()
+        return self.peers.tell_all(others, leaving_key(self.address), str(plan.generation),
+                                   abandon=self.suspects)
+
+    def leavers(self, among: Iterable[str] | None = None) -> set[str]:
+        """Members (of ``among``; default: every other member of ``self.plan``) that said
+        they leave this agent's generation or a newer one (an older word is stale: that
+        agent came back since)."""
+        plan = self.plan
+        if plan is None:
+            return set()
+        agents = [a for a in plan.agents if a != self.address] if among is None else among
+        gone = set()
+        for agent in agents:
+            raw = local_value(self.node_store, leaving_key(agent))
+            with contextlib.suppress(ValueError):
+                if raw is not None and int(raw) >= plan.generation:
+                    gone.add(agent)
+        return gone
+
     # ---- re-forming within a round ---------------------------------------------------------
     def notice(self) -> Notice | None:
         """A peer's call to re-form, when it asks for a generation not handled yet."""
@@ -413,6 +458,12 @@ class Coordinator:
                             "silent: the world re-forms without them",
                             ", ".join(sorted(silenced)), generation)
                 called -= silenced
+            gone = self.leavers(called - arrivals.keys())
+            if gone:  # took the call, then said it leaves (torch's restart path)
+                log.warning("the agent(s) %s left the world (torch's restart path): "
+                            "generation %d re-forms without them", ", ".join(sorted(gone)),
+                            generation)
+                called -= gone
             for agent in called - arrivals.keys():
                 raw = local_value(self.node_store, arrival_key(generation, agent))
                 if raw is not None:

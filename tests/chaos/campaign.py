@@ -62,6 +62,12 @@ BUILTIN_SAMPLES = 800
 """The built-in job's corpus, in 64-byte windows (``corpus_max_bytes``)."""
 
 
+LIVE_RESTARTS_SPENT = "the world cannot re-form in place (the live restarts of " \
+    "--max-restarts are spent)"
+"""An agent's line when a worker of its node fails with its live restarts spent: the node
+takes torch's restart path (the world goes on without it until it is back)."""
+
+
 @dataclass(frozen=True)
 class Setup:
     """The job a campaign runs."""
@@ -343,6 +349,7 @@ class Campaign:
             host.thaw()
         elif kind == "worker_kill":
             full_before = self._world_at(time.time()) == self.setup.full_world
+            spent_before = self.agents[name].node.output().count(LIVE_RESTARTS_SPENT)
             pid = self._worker_pid(name, int(fault.detail.get("local_rank", 0)))
             if pid is None:
                 record.notes.append("no worker to kill")
@@ -405,7 +412,14 @@ class Campaign:
         if kind == "worker_kill" and full_before:
             shrunk = [e["world_size"] for e in self._steps() if e["time"] > record.at
                       and e["world_size"] < self.setup.full_world]
-            if shrunk:
+            # with its live restarts spent the node takes torch's restart path, as
+            # documented: the others go on without it until it is back (never fewer)
+            spent = self.agents[name].node.output().count(LIVE_RESTARTS_SPENT) > spent_before
+            if spent:
+                record.notes.append("the node's live restarts were spent: torch's restart "
+                                    f"path (steps at world {sorted(set(shrunk))} meanwhile)")
+            without_node = self.setup.full_world - self.setup.nproc
+            if shrunk and (not spent or min(shrunk) < without_node):
                 self.violations.append(Violation(
                     "a worker kill shrank the world", index,
                     f"steps at world {sorted(set(shrunk))} after it"))

@@ -28,7 +28,13 @@ from pathlib import Path
 import pytest
 
 from tests import netbed as nb
-from tests.chaos.campaign import STOCK_ROUND, Campaign, FaultRecord, Setup
+from tests.chaos.campaign import (
+    LIVE_RESTARTS_SPENT,
+    STOCK_ROUND,
+    Campaign,
+    FaultRecord,
+    Setup,
+)
 from tests.chaos.disk import small_disk
 from tests.chaos.schedule import Fault, Schedule, make_schedule
 from tests.integration import harness
@@ -238,6 +244,35 @@ def test_c10d_a_node_cut_off_twice_spends_none_of_its_restarts_and_ends_nothing(
         run.report_nodes()
 
 
+def test_a_worker_killed_on_a_node_with_its_live_restarts_spent_costs_no_arrival_timeout(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by etcd-v3 seed 561, made deterministic with ``--max-restarts 1``: node C's
+    worker killed twice; the first kill spends its one live restart, so the second takes
+    torch's restart path. C used to leave without a word: A called it, waited its 10 s for
+    it, and C's new rendezvous round closed with C alone meanwhile (it trained at world 1
+    from its checkpoint and took the job's plan over: the others' steps since were lost).
+    Now C tells the others it leaves: they re-form without it at once and take it back
+    through its round, the world never below 2 and never rolled back."""
+    setup = Setup(launcher=("--max-restarts", "1"))
+    kill = Fault("worker_kill", "node-c", 3.0, 3.0, True)
+    run = campaign(netbed, tmp_path, setup, Schedule(561, (kill, kill)))
+    show(run)
+    assert_clean(run)
+    c = run.agents["node-c"].node.output()
+    assert LIVE_RESTARTS_SPENT in c, run.report_nodes()
+    assert "joins again through a new rendezvous round; told 2 of its 2 other member(s)" \
+        in c, run.report_nodes()
+    second = run.records[1]
+    assert second.next_step is not None and second.next_step < 3.0, second
+    assert second.full_world is not None and second.full_world < 8.0, second
+    assert any("live restarts were spent" in note for note in second.notes), second
+    after = [e for e in run._steps() if e["time"] >= second.at]
+    assert after and min(e["world_size"] for e in after) >= 2, run.report_nodes()
+    # never rolled back: every step after the kill is past the newest before it
+    before = max(e["step"] for e in run._steps() if e["time"] < second.at)
+    assert min(e["step"] for e in after) > before, run.report_nodes()
+
+
 @pytest.mark.extended
 def test_replay_c10d_a_host_killed_as_it_rejoined_ends_nothing(netbed: Factory,
                                                               tmp_path: Path) -> None:
@@ -285,6 +320,16 @@ def test_replay_a_round_s_rank_0_stopped_before_it_committed_the_plan_ends_nothi
     but before it committed the round's plan; the two others waited for that plan the
     store's 60 s and ended (exit 1). live/coordination.py's unit test pins the bound."""
     replay(netbed, tmp_path, "chaos-etcd-v3-builtin-ddp-2026-11-28-f72d848", 540, Setup())
+
+
+@pytest.mark.extended
+def test_replay_a_worker_kill_on_a_node_with_its_live_restarts_spent_ends_nothing(
+        netbed: Factory, tmp_path: Path) -> None:
+    """etcd-v3 seed 561, replayed: node C's fourth worker kill found its live restarts
+    spent; the others waited 10 s for it while its new round closed alone and trained at
+    world 1 from its checkpoint (the campaign now counts a shrink below the world without
+    that node as a violation)."""
+    replay(netbed, tmp_path, "chaos-etcd-v3-builtin-ddp-2026-11-28-69b6e60", 561, Setup())
 
 
 @pytest.mark.extended

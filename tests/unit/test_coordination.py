@@ -299,6 +299,52 @@ def test_a_member_that_takes_the_call_and_falls_silent_is_not_waited_for() -> No
     assert isinstance(results.get(B), tuple) and results[B][0] == outcome[0]
 
 
+def test_a_member_that_leaves_for_torch_s_restart_path_is_not_waited_for() -> None:
+    """A worker of C dies with C's live restarts spent: C takes torch's restart path and
+    never arrives at the call of the member that noticed. Told that C leaves, the
+    coordinator re-forms without it at once, not after ``arrive_seconds`` (the fault
+    campaign, etcd-v3 seed 561: 10 s, and C's new round closed alone meanwhile)."""
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B, C)
+    coordinators[A].arrive_seconds = 30.0
+    results: dict[str, Outcome] = {}
+    follower = threading.Thread(target=member, args=(coordinators[B], job, results))
+    follower.start()
+    timer = threading.Timer(0.1, lambda: results.__setitem__("told", coordinators[C].leave()))
+    timer.start()
+    started = time.monotonic()
+    outcome = reform(coordinators[A], job)
+    took = time.monotonic() - started
+    follower.join(5)
+    timer.join(5)
+    assert results["told"] == {A, B}
+    assert isinstance(outcome, tuple), outcome
+    assert outcome[0].agents == (A, B) and outcome[0].generation == base.generation + 1
+    assert took < 2.0, took  # not the 30 s arrive_seconds
+    assert isinstance(results.get(B), tuple) and results[B][0] == outcome[0]
+    # what the members read before they re-form (the agent's loop): C, for this generation
+    assert coordinators[B].leavers() == {C}
+
+
+def test_a_leaving_word_is_read_for_its_generation_and_newer_only() -> None:
+    """C's word is about the world it left: once the others apply a newer generation (C
+    came back through a round), it no longer marks C as leaving; a word never given, or
+    given by no member, marks nobody."""
+    network, job = Network(), MemoryStore()
+    base = world(A, B, C)
+    coordinators = agents(network, job, base, A, B, C)
+    assert coordinators[A].leavers() == set()
+    assert coordinators[C].leave() == {A, B}
+    assert coordinators[A].leavers() == {C} and coordinators[A].leavers([B]) == set()
+    newer = world(A, B, C, generation=base.generation + 2)
+    coordinators[A].adopt(newer, newer.encode())
+    assert coordinators[A].leavers() == set()
+    alone = world(C, generation=9)
+    coordinators[C].adopt(alone, alone.encode())
+    assert coordinators[C].leave() == set()  # nobody to tell
+
+
 def patient_world() -> tuple[Network, MemoryStore, Plan, dict[str, Coordinator]]:
     """A, B and C applying one plan, each waiting 5 s for arrivals and plans (a test that
     finishes well within that shows nobody waited one out)."""

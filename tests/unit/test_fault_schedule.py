@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.chaos.schedule import KINDS, Schedule, make_schedule
+from tests.chaos.campaign import FaultRecord
+from tests.chaos.schedule import KINDS, Fault, Schedule, make_schedule
 
 HOSTS = ["node-a", "node-b", "node-c"]
 
@@ -85,3 +86,19 @@ def test_the_soak_counts_the_recovery_paths_by_the_agents_own_lines(tmp_path: Pa
     assert soak.paths_line([{"paths": paths}, {}]).startswith(
         "- recovery paths taken (agents' lines): next round (a member lost right after a "
         "round closed) 2; ")
+
+
+def test_the_soak_names_the_kills_slower_than_its_bound_and_no_other() -> None:
+    """A campaign whose host or worker kill cost more than a second to the next step keeps
+    its logs (soak of 69b6e60: two such kills, not understood, their logs gone)."""
+    soak = soak_module()
+
+    def record(index: int, kind: str, next_step: float | None) -> Any:
+        return FaultRecord(index, Fault(kind, "node-b", 3.0, 1.0, True), 0.0,
+                           next_step=next_step)
+
+    records = [record(0, "host_kill", 0.3), record(1, "host_kill", 5.51),
+               record(2, "worker_kill", 1.2), record(3, "cable", 4.0),
+               record(4, "worker_kill", None)]
+    assert soak.slow_kills(records) == ["fault 1 host_kill node-b 5.51 s",
+                                        "fault 2 worker_kill node-b 1.20 s"]
