@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-extended test-fast test-compat soak lint setup clean
+.PHONY: demo test test-extended test-fast test-compat soak k8s-rendered lint setup clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ test-compat:
 soak: setup
 	bash scripts/install-test-deps.sh
 	$(BIN)/python benchmarks/chaos.py $(ARGS)
+
+## After a change to k8s/: keep the real kustomize's output in tests/k8s_rendered (needs
+## kubectl or kustomize; the tests compare our renderer with it, and fail until it is fresh).
+k8s-rendered: setup
+	$(BIN)/python -m tests.kustomize
 
 lint: setup
 	$(BIN)/ruff check elastic_train tests examples scripts benchmarks deploy

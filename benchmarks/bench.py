@@ -339,7 +339,8 @@ def _kill_and_wait(job: harness.Job, read: Callable[[], list[dict[str, Any]]], k
                                       and harness.workers_of(job.proc.pid).get(1) == spare)
                 return _Killed(launched, first_step, killed_at, steps_done, found)
             if time.monotonic() > deadline or job.proc.poll() is not None:
-                # Stock torchrun can spend all its restarts (FIELD-NOTES): a failed recovery.
+                # Stock torchrun can spend all its restarts (docs/stock-torch.md): a failed
+                # recovery.
                 return _Killed(launched, first_step, killed_at, steps_done, None)
             time.sleep(0.01)
     finally:

@@ -98,7 +98,7 @@ def _argv(run_dir: Path, backend: str, endpoint: str, mode: str, host: bool,
                 str(run_dir), "--preset", "small", "--steps", "100000", "--batch-size", "16",
                 "--checkpoint-every", "10"]
         # As the README tells torchrun users across nodes: torch's shared store otherwise
-        # hangs restarts (FIELD-NOTES), seen here at the join (role_info wait timeout).
+        # hangs restarts (docs/stock-torch.md), seen here at the join (role_info wait timeout).
         return argv, harness.job_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     argv = [sys.executable, "-m", "elastic_train", "run", *common, "--run-dir", str(run_dir),
             "--preset", "small", "--steps", "100000", "--batch-size", "16",

@@ -6,15 +6,22 @@ and initContainer, in any kind) and ``patches`` selected by kind and name, eithe
 6902 form (add, replace, remove, test) or as the one strategic-merge patch that removes an
 object (``$patch: delete`` naming the target's kind and name, nothing else). Anything else
 in a kustomization is refused, so k8s/
-cannot start using a feature these tests would silently ignore. Where the real tool is
-installed (``kubectl kustomize`` or ``kustomize``), tests/unit/test_k8s.py checks that both
-render the same objects.
+cannot start using a feature these tests would silently ignore.
+
+The real tool's output is kept in the repo (``RENDERED``: one file per kustomization, made
+by ``make k8s-rendered`` where ``kubectl`` or ``kustomize`` is installed, with the tool's
+version and the digest of k8s/ it was made from): tests/unit/test_k8s.py checks that this
+renderer gives the same objects, and that k8s/ has not changed since the files were made,
+on any machine, the tool installed or not (the README's install cannot provide it).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import hashlib
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +77,61 @@ def render_with_real_tool(directory: Path, tool: list[str]) -> list[Doc]:
     if done.returncode != 0:
         raise KustomizeError(f"{' '.join(tool)} {directory}: {done.stderr.strip()}")
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "k8s"
+RENDERED = Path(__file__).resolve().parent / "k8s_rendered"
+"""The real kustomize's output of every kustomization below, one file each."""
+
+
+def kustomizations() -> dict[str, Path]:
+    """Every kustomization users apply, by the name of its rendered file."""
+    found = {f"overlays-{p.name}": p for p in (K8S / "overlays").iterdir()
+             if (p / "kustomization.yaml").is_file()}
+    found |= {f"trainer-v2-{p.name}": p for p in (K8S / "trainer-v2").iterdir()
+              if p.name != "base" and (p / "kustomization.yaml").is_file()}
+    return dict(sorted(found.items()))
+
+
+def k8s_digest() -> str:
+    """sha256 over every file of k8s/ but its READMEs (path and bytes): what the rendered
+    files were made from."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in K8S.rglob("*") if p.is_file() and p.suffix != ".md"):
+        digest.update(str(path.relative_to(K8S)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def rendered_file(name: str) -> tuple[str, list[Doc]]:
+    """The kept output of the real tool for kustomization ``name``: (the digest of k8s/ it
+    was made from, its objects)."""
+    text = (RENDERED / f"{name}.yaml").read_text()
+    header = text.splitlines()[1]
+    return header.removeprefix("# from k8s/ at sha256 "), \
+        [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def write_rendered(tool: list[str]) -> list[str]:
+    """Render every kustomization with the real ``tool`` into ``RENDERED``, after checking
+    that this renderer agrees; the files written."""
+    version = subprocess.run([*tool[:1], "version", "--client"] if tool[0] == "kubectl"
+                             else [tool[0], "version"], capture_output=True, text=True,
+                             timeout=60).stdout.strip().replace("\n", "; ")
+    RENDERED.mkdir(exist_ok=True)
+    digest, written = k8s_digest(), []
+    for name, directory in kustomizations().items():
+        docs = render_with_real_tool(directory, tool)
+        if by_kind_and_name(docs) != by_kind_and_name(render(directory)):
+            raise KustomizeError(f"{directory}: this renderer and {' '.join(tool)} disagree")
+        path = RENDERED / f"{name}.yaml"
+        path.write_text(
+            f"# {' '.join(tool)} {directory.relative_to(REPO)} ({version})\n"
+            f"# from k8s/ at sha256 {digest}\n"
+            f"# made by `make k8s-rendered`; tests/unit/test_k8s.py compares it\n"
+            + yaml.safe_dump_all(docs, sort_keys=True))
+        written.append(str(path.relative_to(REPO)))
+    return written
 
 
 def by_kind_and_name(docs: list[Doc]) -> dict[tuple[str, str], Doc]:
@@ -189,3 +251,21 @@ def _set_images(node: Any, image: Doc) -> None:
             container["image"] = image.get("newName", name) + suffix
     for value in node.values():
         _set_images(value, image)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Keep the real kustomize's output of k8s/ "
+                                     "in tests/k8s_rendered (make k8s-rendered).")
+    parser.parse_args(argv)
+    tool = real_tool()
+    if tool is None:
+        print("k8s-rendered: neither kubectl nor kustomize is installed: install one "
+              "(kubectl >= 1.27 has kustomize v5) and run it again", file=sys.stderr)
+        return 2
+    for path in write_rendered(tool):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -67,7 +67,7 @@ def launcher_environment_defaults(nproc_per_node: str) -> dict[str, str]:
     """Environment the launcher sets for torch's agent and the workers before they start.
 
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes every rendezvous round create a fresh
-    c10d store, so keys of a dead incarnation cannot mislead the next one (FIELD-NOTES).
+    c10d store, so keys of a dead incarnation cannot mislead the next one (docs/stock-torch.md).
     ``OMP_NUM_THREADS=1`` when a node runs more than one worker, as torchrun does;
     ``auto``, ``cpu`` and ``gpu`` counts are left to torchrun, which then starts the
     workers' server itself, after it has set the variable.

@@ -74,7 +74,7 @@ def _store_for(env: WorkerEnv, timeout: timedelta) -> dist.Store | None:
 
     When torchrun shares its agent's TCPStore with the workers (the 2.x default), the keys
     of a dead incarnation stay in it and can send the next incarnation's gloo connections
-    to dead addresses (FIELD-NOTES: 7 of 26 restarts hung). Under one agent all ranks
+    to dead addresses (docs/stock-torch.md: 7 of 26 restarts hung). Under one agent all ranks
     share a restart count, so a per-restart key prefix gives each incarnation clean keys.
     Across several agents restart counts differ; there a store made fresh for every round
     (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``elastic-train run`` and the k8s

@@ -1,6 +1,7 @@
-"""k8s/ proven offline: every overlay renders (our renderer and, where installed, the real
-kustomize agree), every object validates strictly (the PyTorchJob and PodMonitor against
-the real CRDs in ../shared/schemas, the built-in kinds against Kubernetes' own schemas),
+"""k8s/ proven offline: every overlay renders (our renderer and the real kustomize's kept
+output agree), every object validates strictly (the PyTorchJob and PodMonitor against the
+real CRDs vendored in tests/schemas/operators-v1, the built-in kinds against Kubernetes'
+own schemas),
 the worker command is one our parser accepts, and the PET_* variables the operator would
 set make torchrun pick the intended backend, endpoint and node range. The object-store
 overlay has no claim and no volume of one: its run_dir is a bucket."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import os
 import re
 import subprocess
@@ -141,14 +143,29 @@ def test_overlay_renders_and_every_object_validates_strictly(overlay: str) -> No
                         f"{str(exc).splitlines()[0]}")
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_our_renderer_agrees_with_the_real_kustomize(overlay: str) -> None:
-    tool = kustomize.real_tool()
-    if tool is None:
-        pytest.skip("neither kubectl nor kustomize is installed: compared nothing")
-    real = kustomize.by_kind_and_name(
-        kustomize.render_with_real_tool(K8S / "overlays" / overlay, tool))
-    assert rendered(overlay) == real
+@pytest.mark.parametrize("name", sorted(kustomize.kustomizations()))
+def test_our_renderer_agrees_with_the_real_kustomize(name: str) -> None:
+    """The real tool's output is kept in the repo (tests/k8s_rendered: the README's install
+    cannot provide kubectl or kustomize), made from k8s/ as it is now."""
+    made_from, real = kustomize.rendered_file(name)
+    assert made_from == kustomize.k8s_digest(), (
+        "k8s/ changed since tests/k8s_rendered was made: run `make k8s-rendered` where "
+        "kubectl or kustomize is installed, and commit what it writes")
+    ours = kustomize.render(kustomize.kustomizations()[name])
+    assert kustomize.by_kind_and_name(ours) == kustomize.by_kind_and_name(real)
+
+
+def test_a_change_to_k8s_is_seen_by_the_digest_of_the_rendered_files(tmp_path: Path,
+                                                                    monkeypatch: Any) -> None:
+    """The check above cannot pass on stale files: any byte of k8s/ changes the digest."""
+    copy_of = tmp_path / "k8s"
+    subprocess.run(["cp", "-r", str(K8S), str(copy_of)], check=True)
+    monkeypatch.setattr(kustomize, "K8S", copy_of)
+    before = kustomize.k8s_digest()
+    assert before == kustomize.rendered_file("overlays-c10d")[0]
+    patch = copy_of / "overlays" / "c10d" / "kustomization.yaml"
+    patch.write_text(patch.read_text() + "\n# a change\n")
+    assert kustomize.k8s_digest() != before
 
 
 @pytest.mark.parametrize(("patch", "error"), [
@@ -189,9 +206,14 @@ def test_a_misspelt_field_fails_validation(kind: str, path: list[Any], field: st
         validate_strictly(doc)
 
 
-def test_the_schemas_folder_is_used_not_skipped_silently() -> None:
-    # In CI the folder must exist (k8s_model.schemas_dir fails there otherwise).
-    assert (k8s_model.schemas_dir() / CRDS["PyTorchJob"]).is_file()
+def test_the_vendored_crds_are_the_files_their_readme_names() -> None:
+    """The CRDs are in the repo (a clone needs nothing beside it), byte for byte as their
+    README's table says where they come from."""
+    readme = (k8s_model.SCHEMAS / "README.md").read_text()
+    rows = re.findall(r"^\| `([^`]+)` \|.*\| ([0-9a-f]{64}) \|$", readme, flags=re.M)
+    assert sorted(name for name, _ in rows) == sorted(CRDS.values())
+    for name, digest in rows:
+        assert hashlib.sha256((k8s_model.SCHEMAS / name).read_bytes()).hexdigest() == digest
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -255,7 +277,7 @@ def test_the_worker_command_and_the_operators_settings_make_the_intended_launch(
     if backend == "etcd-v3":
         options = EtcdV3Options.parse(launch.rdzv_endpoint, launch.rdzv_configs)
         assert options.key_prefix == "/elastic-train/rendezvous"
-    # Restarts on several nodes need one rendezvous store per round (FIELD-NOTES).
+    # Restarts on several nodes need one rendezvous store per round (docs/stock-torch.md).
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
