@@ -2,8 +2,9 @@
 
 ``TESTED`` is the one list of the torch versions the compatibility run passed on
 (``make test-compat``, docs/torch-versions.md). What elastic_train relies on beyond
-torch's public API is what the two seams declare (``REQUIRED`` of agent/torch_seams.py and
-worker/torch_seams.py; torch_private.py checks each name). At start:
+torch's public API is what the seams declare (``REQUIRED`` of agent/torch_seams.py,
+rendezvous/torch_seams.py and worker/torch_seams.py; torch_private.py checks each name). At
+start:
 
 - a torch that lacks or reshaped one of those names is refused in one line: its version,
   the names it lacks (those in the modules torch has imported by then, when one of them is
@@ -12,7 +13,7 @@ worker/torch_seams.py; torch_private.py checks each name). At start:
 - a torch newer (or older) than every tested one, with every name there, runs, with one
   line saying so.
 
-``elastic-train run`` checks both seams before any worker starts (``check_at_launch``) and
+``elastic-train run`` checks every seam before any worker starts (``check_at_launch``) and
 tells its workers so; a worker checks its own seam once per process (``check_in_worker``),
 unless its launcher did. The seams' declarations are read from their source, not imported:
 a seam imports some of those names itself, so on a torch without them it would not import.
@@ -55,8 +56,9 @@ TESTED: tuple[str, ...] = ("2.11.0", "2.12.1", "2.13.0", "2.14.1")
 benchmarks/results/compat-*; pyproject.toml's lower bound is the first)."""
 
 AGENT_SEAM = "elastic_train.agent.torch_seams"
+RENDEZVOUS_SEAM = "elastic_train.rendezvous.torch_seams"
 WORKER_SEAM = "elastic_train.worker.torch_seams"
-SEAMS: tuple[str, ...] = (AGENT_SEAM, WORKER_SEAM)
+SEAMS: tuple[str, ...] = (AGENT_SEAM, RENDEZVOUS_SEAM, WORKER_SEAM)
 
 CHECKED = "ELASTIC_TRAIN_TORCH_CHECKED"
 """Set by the launcher for its workers to the torch version it checked: they skip their own
@@ -266,7 +268,7 @@ def check_at_launch() -> None:
     the workers it starts next told the version it checked (``CHECKED``)."""
     import torch
 
-    from elastic_train.agent.environment import set_for_workers
+    from elastic_train.live.environment import set_for_workers
 
     line = check()
     if line:

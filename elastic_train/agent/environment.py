@@ -1,28 +1,23 @@
 """The agent's side of the process environment: torchrun's ``PET_*`` option defaults that
 ``elastic-train run`` reads, and what the agent sets for the workers it starts.
 
-worker/env.py is the workers' view (and names the variables both sides share); this is the
-launcher/agent process's. The two are the only modules that touch ``os.environ``. This one
-must, rather than take values as arguments: workers and the workers' forkserver inherit
-the agent's environment, so what they need has to be written into it (before they start,
-or into the file named by ``WORKER_ENV_FILE`` afterwards); and ``PET_*`` are read from it
-exactly as torchrun reads them. Free of torch imports (the launcher imports it first).
+worker/env.py is the workers' view, live/environment.py names the variables both sides
+share and writes one for the workers (``set_for_workers``); this is the launcher/agent
+process's. It touches ``os.environ`` rather than take values as arguments: workers and the
+workers' forkserver inherit the agent's environment, so what they need has to be written
+into it (before they start, or into the file named by ``WORKER_ENV_FILE`` afterwards); and
+``PET_*`` are read from it exactly as torchrun reads them. Free of torch imports (the
+launcher imports it first).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
 
-from elastic_train.live.environment import (
-    RENDEZVOUS_SECONDS,
-    STOP_NOTE,
-    WORKER_ENV_FILE,
-    read_env_file,
-)
+from elastic_train.live.environment import STOP_NOTE, WORKER_ENV_FILE
 
 # Launcher options that torchrun also reads from PET_<NAME> (torch.distributed.argparse_util:
 # ``env`` takes the value, ``check_env`` a flag, set by any non-zero integer).
@@ -146,27 +141,3 @@ called, who arrived, whom it followed; default ``WARNING``: what a user acts on)
 def agent_log_level(environ: Mapping[str, str] | None = None) -> str:
     """``ELASTIC_TRAIN_LOG_LEVEL`` (default WARNING), upper-cased."""
     return (os.environ if environ is None else environ).get(LOG_LEVEL, "WARNING").upper()
-
-
-def set_for_workers(key: str, value: str) -> None:
-    """Set a variable in this (agent) process for the workers it starts next.
-
-    Subprocess workers inherit the agent's environment. Workers forked from a forkserver
-    inherit the *server's*, fixed when it started; for them the value also goes into the
-    file named by ``WORKER_ENV_FILE``, which ``read_worker_env`` overlays.
-    """
-    os.environ[key] = value
-    path = os.environ.get(WORKER_ENV_FILE)
-    if path:
-        values = read_env_file(path)
-        values[key] = value
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(values, f)
-        os.replace(tmp, path)
-
-
-def set_rendezvous_seconds(seconds: float) -> None:
-    """How long this agent's last rendezvous took, for the workers it starts next
-    (``WorkerEnv.rendezvous_seconds``)."""
-    set_for_workers(RENDEZVOUS_SECONDS, f"{seconds:.3f}")

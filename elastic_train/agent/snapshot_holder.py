@@ -50,10 +50,9 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from elastic_train.agent.environment import set_for_workers
 from elastic_train.agent.write_behind import PayloadUploads, UploadFailed
 from elastic_train.errors import ElasticTrainError
-from elastic_train.live.environment import MEMORY_TIER
+from elastic_train.live.environment import MEMORY_TIER, set_for_workers
 from elastic_train.live.memory_tier import (
     AUTHORIZATION,
     BEARER,

@@ -1,8 +1,8 @@
-"""Every private name of torch the agent side (agent/, rendezvous/) uses, and every
-replacement of a torch global it makes, in one place (``REQUIRED`` declares them;
-tests/unit/test_torch_seams.py checks that the installed torch still has each, with the
-signature used here; tests/unit/test_agent_seam_rule.py that no other module of agent/ or
-rendezvous/ touches one).
+"""Every private name of torch the agent (agent/) uses, and every replacement of a torch
+global it makes, in one place (``REQUIRED`` declares them; tests/unit/test_torch_seams.py
+checks that the installed torch still has each, with the signature used here;
+tests/unit/test_agent_seam_rule.py that no other module of agent/ touches one). The
+rendezvous' own (torch's dynamic handler's internals) are in rendezvous/torch_seams.py.
 
 The rest of the agent side calls these functions and classes, never torch's private names:
 
@@ -15,9 +15,6 @@ The rest of the agent side calls these functions and classes, never torch's priv
   local agent starts its workers), ``rendezvous_store_replaced`` (the c10d backend's
   ``TCPStore``), ``process_start_wrapped`` (``PContext.start``),
   ``finished_workers_released_on_close`` (``MultiprocessContext._close``);
-- the dynamic rendezvous' internals: ``JudgingStateHolder`` (its state holder, with a say
-  in judging nodes dead), ``rendezvous_state``, ``this_node``, ``new_node_descriptor``,
-  ``state_holder``, ``heartbeat_lock``, ``remove_expired_nodes``, ``stop_heartbeats``;
 - ``worker_logs_specs``: a ``DefaultLogsSpecs`` for one worker of another's;
 - ``initialisation_skipped``: ``torch.nn.init``'s functions replaced by no-ops while a model
   is built on the meta device for its shapes.
@@ -36,25 +33,16 @@ from torch.distributed.elastic.agent.server.api import RunResult, Worker, Worker
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import PContext
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    _BackendRendezvousStateHolder,
-)
 
 from elastic_train.torch_private import Private
 
-__all__ = ["REQUIRED", "JudgingStateHolder", "TorchAgent", "agent_class_replaced",
-           "failure_logging_warmed", "finished_workers_released_on_close", "heartbeat_lock",
-           "initialisation_skipped",
-           "new_node_descriptor",
-           "process_start_wrapped", "remove_expired_nodes", "rendezvous_state",
-           "rendezvous_store_replaced", "start_processes_replaced", "state_holder",
-           "stop_heartbeats",
-           "this_node", "worker_logs_specs"]
+__all__ = ["REQUIRED", "TorchAgent", "agent_class_replaced", "failure_logging_warmed",
+           "finished_workers_released_on_close", "initialisation_skipped",
+           "process_start_wrapped", "rendezvous_store_replaced", "start_processes_replaced",
+           "worker_logs_specs"]
 
 _LOCAL = "torch.distributed.elastic.agent.server.local_elastic_agent"
 _MP = "torch.distributed.elastic.multiprocessing.api"
-_DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 REQUIRED: tuple[Private, ...] = (
     Private(_LOCAL, "LocalElasticAgent._start_workers", "overridden and called by TorchAgent "
             "(start_workers, torch_start_workers)", params=("worker_group",)),
@@ -92,20 +80,6 @@ REQUIRED: tuple[Private, ...] = (
             "workers (finished_workers_released_on_close)"),
     Private(_MP, "DefaultLogsSpecs._redirects", "for one worker's own logs (worker_logs_specs)"),
     Private(_MP, "DefaultLogsSpecs._tee", "(worker_logs_specs)"),
-    Private(_DYNAMIC, "_BackendRendezvousStateHolder", "subclassed (JudgingStateHolder)",
-            params=("backend", "settings")),
-    Private(_DYNAMIC, "_BackendRendezvousStateHolder._sanitize", "overridden by "
-            "JudgingStateHolder, called by remove_expired_nodes", params=()),
-    Private(_DYNAMIC, "_BackendRendezvousStateHolder._dead_nodes", "emptied when no node "
-            "may be judged dead (JudgingStateHolder)"),
-    Private(_DYNAMIC, "DynamicRendezvousHandler._state_holder", "(rendezvous_state, "
-            "state_holder)"),
-    Private(_DYNAMIC, "DynamicRendezvousHandler._this_node", "(this_node)"),
-    Private(_DYNAMIC, "DynamicRendezvousHandler._heartbeat_lock", "(heartbeat_lock)"),
-    Private(_DYNAMIC, "DynamicRendezvousHandler._node_desc_generator",
-            "(new_node_descriptor)"),
-    Private(_DYNAMIC, "DynamicRendezvousHandler._stop_heartbeats", "(stop_heartbeats: a "
-            "node that leaves without closing the rendezvous)", params=()),
 )
 
 
@@ -331,63 +305,3 @@ def rendezvous_store_replaced(make: Callable[[Callable[..., Any]], Callable[...,
         yield
     finally:
         backend.TCPStore = original  # type: ignore[misc]
-
-
-# ---- the dynamic rendezvous (c10d, etcd-v3's design=state-key) -----------------------------
-class JudgingStateHolder(_BackendRendezvousStateHolder):
-    """torch's state holder of the dynamic rendezvous, asking ``may_judge()`` before it
-    judges nodes dead by their heartbeats (after every read or write of the state)."""
-
-    def may_judge(self) -> bool:
-        return True
-
-    def _sanitize(self) -> None:
-        if not self.may_judge():
-            self._dead_nodes = []
-            return
-        super()._sanitize()
-
-
-def rendezvous_state(handler: DynamicRendezvousHandler) -> Any:
-    """The rendezvous state as ``handler`` last read it."""
-    return handler._state_holder.state
-
-
-def this_node(handler: Any) -> Any:
-    """``handler``'s node descriptor (None for a handler without one)."""
-    return getattr(handler, "_this_node", None)
-
-
-def new_node_descriptor(local_addr: str | None) -> Any:
-    """A node descriptor as torch's dynamic handler makes its own."""
-    return DynamicRendezvousHandler._node_desc_generator.generate(local_addr)
-
-
-def state_holder(handler: Any) -> Any | None:
-    """The state holder of a dynamic handler (None for another handler, or a holder that
-    cannot remove expired nodes)."""
-    holder = getattr(handler, "_state_holder", None)
-    return holder if holder is not None and hasattr(holder, "_sanitize") else None
-
-
-def heartbeat_lock(handler: Any) -> threading.Lock | None:
-    """The lock a dynamic handler's heartbeat thread holds while it writes the state."""
-    return getattr(handler, "_heartbeat_lock", None)
-
-
-def stop_heartbeats(handler: Any, seconds: float = 5.0) -> None:
-    """Stop a dynamic handler's heartbeats (what its shutdown does besides closing the
-    rendezvous), waiting up to ``seconds`` for one under way (torch joins its thread; a
-    heartbeat to a silent store could take the store's timeout); nothing for another
-    handler."""
-    stop = getattr(handler, "_stop_heartbeats", None)
-    if callable(stop):
-        thread = threading.Thread(target=stop, name="stop-heartbeats", daemon=True)
-        thread.start()
-        thread.join(seconds)
-
-
-def remove_expired_nodes(holder: Any) -> None:
-    """torch's removal of the nodes whose heartbeats expired, this round's epilogue
-    included, on ``holder``'s state."""
-    holder._sanitize()

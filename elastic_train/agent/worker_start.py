@@ -8,7 +8,7 @@ instead of one after the other.
 A forked worker inherits the server's environment, fixed when the server started: what the
 workers need from the launcher's environment is set before it starts
 (``prepare_environment``); values the agent learns later reach them through the file named
-by ``WORKER_ENV_FILE`` (``agent_env.set_for_workers``).
+by ``WORKER_ENV_FILE`` (``live.environment.set_for_workers``).
 """
 
 from __future__ import annotations

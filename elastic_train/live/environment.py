@@ -2,22 +2,24 @@
 file of values it learns after a forked worker's environment was fixed.
 
 Defined once here, the contract both sides read: the agent writes them
-(agent/environment.py, agent/live_agent.py), the worker reads them (worker/env.py).
+(``set_for_workers``, from agent/, and from rendezvous/ for the round's duration), the
+worker reads them (worker/env.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 __all__ = ["LIVE_GENERATION", "LIVE_RECOVERY", "LIVE_STORE", "MEMORY_TIER",
            "RENDEZVOUS_SECONDS", "STOP_NOTE", "WORKER_ENV_FILE", "read_env_file",
-           "read_stop_note"]
+           "read_stop_note", "set_for_workers", "set_rendezvous_seconds"]
 
 # Set by the agent for its workers (agent/environment.py). How long their rendezvous took,
 # after each one (rendezvous/timing.py, rendezvous/handler.py):
 RENDEZVOUS_SECONDS = "ELASTIC_TRAIN_RENDEZVOUS_SECONDS"
 # A JSON file of values the agent learned after a forked worker's environment was fixed,
-# read over the environment (``agent_env.set_for_workers`` writes it):
+# read over the environment (``set_for_workers`` writes it):
 WORKER_ENV_FILE = "ELASTIC_TRAIN_WORKER_ENV_FILE"
 # Live recovery (agent/live_agent.py sets them): "1" when the agent restarts single workers into the
 # running world; the generation a restarted worker joins:
@@ -57,3 +59,27 @@ def read_stop_note(path: str | None) -> str | None:
             return f.read(512).strip() or "restart"
     except OSError:
         return None
+
+
+def set_for_workers(key: str, value: str) -> None:
+    """Set a variable in this (agent) process for the workers it starts next.
+
+    Subprocess workers inherit the agent's environment. Workers forked from a forkserver
+    inherit the *server's*, fixed when it started; for them the value also goes into the
+    file named by ``WORKER_ENV_FILE``, which the worker overlays (worker/env.py).
+    """
+    os.environ[key] = value
+    path = os.environ.get(WORKER_ENV_FILE)
+    if path:
+        values = read_env_file(path)
+        values[key] = value
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(values, f)
+        os.replace(tmp, path)
+
+
+def set_rendezvous_seconds(seconds: float) -> None:
+    """How long this agent's last rendezvous took, for the workers it starts next
+    (``WorkerEnv.rendezvous_seconds``)."""
+    set_for_workers(RENDEZVOUS_SECONDS, f"{seconds:.3f}")

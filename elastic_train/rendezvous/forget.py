@@ -36,7 +36,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
-from elastic_train.agent.torch_seams import (
+from elastic_train.rendezvous.torch_seams import (
     heartbeat_lock,
     remove_expired_nodes,
     rendezvous_state,

@@ -35,19 +35,19 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from elastic_train.agent.environment import set_rendezvous_seconds
-from elastic_train.agent.torch_seams import (
-    JudgingStateHolder,
-    new_node_descriptor,
-    rendezvous_state,
-    this_node,
-)
+from elastic_train.live.environment import set_rendezvous_seconds
 from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend
 from elastic_train.rendezvous.client import KV, EtcdKV, EtcdUnreachableError
 from elastic_train.rendezvous.lease import SharedLease
 from elastic_train.rendezvous.options import EtcdV3Options
 from elastic_train.rendezvous.outage import Outage, retry_unreachable
 from elastic_train.rendezvous.store import EtcdStore
+from elastic_train.rendezvous.torch_seams import (
+    JudgingStateHolder,
+    new_node_descriptor,
+    rendezvous_state,
+    this_node,
+)
 
 log = logging.getLogger(__name__)
 

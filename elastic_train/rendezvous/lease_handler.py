@@ -54,8 +54,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from elastic_train.agent.environment import set_rendezvous_seconds
 from elastic_train.errors import RoundMemberLostError
+from elastic_train.live.environment import set_rendezvous_seconds
 from elastic_train.rendezvous.backend import BACKEND_NAME
 from elastic_train.rendezvous.client import (
     KV,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch.distributed.elastic import metrics
 
-from elastic_train.agent.environment import set_rendezvous_seconds
+from elastic_train.live.environment import set_rendezvous_seconds
 
 METRIC = "SimpleElasticAgent._rendezvous.duration.ms"
 

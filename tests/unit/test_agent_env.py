@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from elastic_train.agent import environment as agent_env
-from elastic_train.live.environment import RENDEZVOUS_SECONDS, WORKER_ENV_FILE
+from elastic_train.live.environment import (
+    RENDEZVOUS_SECONDS,
+    WORKER_ENV_FILE,
+    set_for_workers,
+    set_rendezvous_seconds,
+)
 from elastic_train.worker.env import read_worker_env
 
 
@@ -44,11 +49,11 @@ def test_values_reach_forked_workers_through_the_file(monkeypatch: pytest.Monkey
     with agent_env.worker_env_file() as path:
         assert os.environ[WORKER_ENV_FILE] == path
         forked = {WORKER_ENV_FILE: path}  # a worker's environment, fixed before the value
-        agent_env.set_rendezvous_seconds(1.23456)
+        set_rendezvous_seconds(1.23456)
         assert os.environ[RENDEZVOUS_SECONDS] == "1.235"
         assert json.loads(Path(path).read_text()) == {RENDEZVOUS_SECONDS: "1.235"}
         assert read_worker_env(forked).rendezvous_seconds == 1.235
     assert WORKER_ENV_FILE not in os.environ
     assert not Path(path).exists()
-    agent_env.set_for_workers(RENDEZVOUS_SECONDS, "2.000")  # no file: the environment only
+    set_for_workers(RENDEZVOUS_SECONDS, "2.000")  # no file: the environment only
     assert os.environ[RENDEZVOUS_SECONDS] == "2.000"

@@ -172,7 +172,8 @@ def test_a_passed_check_is_remembered_until_torch_or_the_seams_change(
 def test_the_key_follows_the_seams_source_and_torchs_install(monkeypatch: pytest.MonkeyPatch,
                                                              tmp_path: Path) -> None:
     package = tmp_path / "elastic_train"
-    for part in ("agent/torch_seams.py", "worker/torch_seams.py", "torch_private.py"):
+    for part in ("agent/torch_seams.py", "rendezvous/torch_seams.py", "worker/torch_seams.py",
+                 "torch_private.py"):
         (package / part).parent.mkdir(parents=True, exist_ok=True)
         (package / part).write_bytes((REPO / "elastic_train" / part).read_bytes())
     monkeypatch.setattr(torch_compat, "_PACKAGE", package)

@@ -11,7 +11,8 @@ import pytest
 
 from elastic_train.torch_private import Private, missing
 
-SEAMS = ["elastic_train.agent.torch_seams", "elastic_train.worker.torch_seams"]
+SEAMS = ["elastic_train.agent.torch_seams", "elastic_train.rendezvous.torch_seams",
+         "elastic_train.worker.torch_seams"]
 
 
 @pytest.mark.parametrize("seam", SEAMS)
