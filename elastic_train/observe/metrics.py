@@ -18,7 +18,7 @@ from __future__ import annotations
 import platform
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -27,10 +27,9 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from elastic_train import __version__
+from elastic_train.batch_shares import shard_bounds
 from elastic_train.errors import MetricsError
 from elastic_train.observe.event_schema import Event
-from elastic_train.worker.env import WorkerEnv
-from elastic_train.worker.sampler import shard_bounds
 
 PREFIX = "elastic_train"
 LABELS = ("run_id", "rank", "node")
@@ -41,7 +40,36 @@ THROUGHPUT_WINDOW = 20
 """Steps over which ``samples_per_second`` is measured (wall time, pauses included)."""
 
 
-def check_single_process_mode(env: WorkerEnv) -> None:
+class ObservedProcess(Protocol):
+    """What the metrics know of the worker they observe (worker/env.py's ``WorkerEnv`` is
+    one): declared here so that observe/ depends on no worker module."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def restart_count(self) -> int: ...
+
+    @property
+    def max_restarts(self) -> int: ...
+
+    @property
+    def rendezvous_seconds(self) -> float | None: ...
+
+    @property
+    def prometheus_multiproc_dir(self) -> str | None: ...
+
+
+def check_single_process_mode(env: ObservedProcess) -> None:
     """Refuse prometheus-client's multiprocess mode: dead workers' series would stay forever.
 
     The mode switches on when ``PROMETHEUS_MULTIPROC_DIR`` is present at all, even empty.
@@ -99,7 +127,7 @@ class WorkerMetrics:
     ``metrics_server``.
     """
 
-    def __init__(self, registry: CollectorRegistry, env: WorkerEnv, batch_size: int, *,
+    def __init__(self, registry: CollectorRegistry, env: ObservedProcess, batch_size: int, *,
                  min_world_size: int = 0, node: str | None = None) -> None:
         self.rank = env.rank
         series = CollectorRegistry()  # every labelled series, served with the current rank
@@ -226,7 +254,7 @@ class WorkerMetrics:
             Event.CHECKPOINT_FAILED: lambda record: self.failed.inc(),
         }
 
-    def moved(self, env: WorkerEnv) -> None:
+    def moved(self, env: ObservedProcess) -> None:
         """This worker's new place after the world re-formed in place: its series follow
         its rank, and its share of each global batch is counted at that rank."""
         self.rank = self._served.rank = env.rank

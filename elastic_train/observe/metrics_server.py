@@ -21,8 +21,11 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from elastic_train.config import JobConfig
 from elastic_train.errors import MetricsError
-from elastic_train.observe.metrics import WorkerMetrics, check_single_process_mode
-from elastic_train.worker.env import WorkerEnv
+from elastic_train.observe.metrics import (
+    ObservedProcess,
+    WorkerMetrics,
+    check_single_process_mode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +174,7 @@ class WorkerEndpoint:
         self.server.close()
 
 
-def serve_worker_metrics(config: JobConfig, env: WorkerEnv) -> WorkerEndpoint | None:
+def serve_worker_metrics(config: JobConfig, env: ObservedProcess) -> WorkerEndpoint | None:
     """Build this worker's metrics and serve them on ``port + local rank``; None if off."""
     settings = config.metrics
     if not settings.port:

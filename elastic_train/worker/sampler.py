@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from elastic_train.batch_shares import shard_bounds
 from elastic_train.worker.seeding import derive_seed
 
 
@@ -30,15 +31,6 @@ class GlobalBatch:
         """This rank's contiguous part (sizes differ by at most one)."""
         start, stop = shard_bounds(len(self.indices), rank, world_size)
         return self.indices[start:stop]
-
-
-def shard_bounds(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, stop) of ``rank``'s share of a batch of ``batch_size`` split ``world_size`` ways."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world of {world_size}")
-    base, extra = divmod(batch_size, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

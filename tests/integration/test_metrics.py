@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train import __version__
-from elastic_train.worker.sampler import shard_bounds
+from elastic_train.batch_shares import shard_bounds
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from elastic_train import cli
-from elastic_train.worker.sampler import shard_bounds
+from elastic_train.batch_shares import shard_bounds
 from tests.integration import harness, prom
 from tests.unit.test_report import png_size
 

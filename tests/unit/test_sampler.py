@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from elastic_train.batch_shares import shard_bounds
 from elastic_train.worker.sampler import (
     ElasticBatchSampler,
     GlobalBatch,
     ResumableSampler,
     epoch_order,
-    shard_bounds,
 )
 
 # --- helpers ------------------------------------------------------------------------------
