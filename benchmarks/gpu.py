@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic_train.checkpoint.manager import CheckpointManager
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
-from elastic_train.observe.events import EventLog, read_events
+from elastic_train.events.log import EventLog, read_events
 from elastic_train.tasks.gpt import GPT, PRESETS, GPTConfig
 from elastic_train.worker.distributed import Group
 

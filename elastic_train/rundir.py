@@ -6,7 +6,7 @@ On a filesystem::
 
     <run_dir>/
       checkpoints/step-<N>/   checkpoint/storage.py's format (state, manifest, checksum)
-      events.jsonl            the event log (observe/events.py; its schema: observe/event_schema.py)
+      events.jsonl            the event log (events/log.py; its schema: events/schema.py)
       samples/rank-<R>.jsonl  which samples each rank trained on (--record-samples)
       writers/epoch-<E>       the worlds that wrote checkpoints here (checkpoint/fence.py)
 

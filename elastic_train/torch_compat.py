@@ -3,8 +3,8 @@
 ``TESTED`` is the one list of the torch versions the compatibility run passed on
 (``make test-compat``, docs/torch-versions.md). What elastic_train relies on beyond
 torch's public API is what the seams declare (``REQUIRED`` of agent/torch_seams.py,
-rendezvous/torch_seams.py and worker/torch_seams.py; torch_private.py checks each name). At
-start:
+rendezvous/torch_seams.py, worker/torch_seams.py and checkpoint/torch_seams.py;
+torch_private.py checks each name). At start:
 
 - a torch that lacks or reshaped one of those names is refused in one line: its version,
   the names it lacks (those in the modules torch has imported by then, when one of them is
@@ -58,7 +58,10 @@ benchmarks/results/compat-*; pyproject.toml's lower bound is the first)."""
 AGENT_SEAM = "elastic_train.agent.torch_seams"
 RENDEZVOUS_SEAM = "elastic_train.rendezvous.torch_seams"
 WORKER_SEAM = "elastic_train.worker.torch_seams"
-SEAMS: tuple[str, ...] = (AGENT_SEAM, RENDEZVOUS_SEAM, WORKER_SEAM)
+CHECKPOINT_SEAM = "elastic_train.checkpoint.torch_seams"
+WORKER_SEAMS: tuple[str, ...] = (WORKER_SEAM, CHECKPOINT_SEAM)
+"""What a worker process uses of torch's private names: its own, and its checkpoints'."""
+SEAMS: tuple[str, ...] = (AGENT_SEAM, RENDEZVOUS_SEAM, *WORKER_SEAMS)
 
 CHECKED = "ELASTIC_TRAIN_TORCH_CHECKED"
 """Set by the launcher for its workers to the torch version it checked: they skip their own
@@ -277,8 +280,9 @@ def check_at_launch() -> None:
 
 
 def check_in_worker(rank: int, environ: Mapping[str, str] | None = None) -> None:
-    """A worker's check of its own seam, once per process and skipped where its launcher
-    checked this torch; the notice from rank 0 only. Raises ``TorchUnsupportedError``."""
+    """A worker's check of its own seams (``WORKER_SEAMS``), once per process and skipped
+    where its launcher checked this torch; the notice from rank 0 only. Raises
+    ``TorchUnsupportedError``."""
     global _checked_here
     import torch
 
@@ -291,7 +295,7 @@ def check_in_worker(rank: int, environ: Mapping[str, str] | None = None) -> None
     path = env.get(WORKER_ENV_FILE)
     if path and read_env_file(path).get(CHECKED) == version:
         return
-    line = check((WORKER_SEAM,))
+    line = check(WORKER_SEAMS)
     _checked_here = version
     if line and rank == 0:
         print(f"elastic_train: {line}", file=sys.stderr, flush=True)

@@ -56,7 +56,7 @@ from typing import Any, TextIO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
 from elastic_train.rundir import RunDir
 from tests.etcd_server import EtcdServer, etcd_binary, free_port
 from tests.integration import harness

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from elastic_train.checkpoint.object_keys import PAYLOAD_KEY
 from elastic_train.checkpoint.object_store import ObjectStore
 from elastic_train.errors import ConfigError, StorageRefusedError, StorageUnavailableError
-from elastic_train.live.memory_tier import PAYLOAD_KEY
 
 __all__ = ["PayloadUploads", "UploadFailed"]
 

@@ -63,7 +63,8 @@ from elastic_train.errors import (
     StorageError,
     StorageRefusedError,
 )
-from elastic_train.observe.event_schema import (
+from elastic_train.events.log import EventLog
+from elastic_train.events.schema import (
     CheckpointDeleted,
     CheckpointFailed,
     CheckpointFenced,
@@ -73,11 +74,35 @@ from elastic_train.observe.event_schema import (
     CheckpointSkipped,
     CheckpointWaited,
 )
-from elastic_train.observe.events import EventLog
-from elastic_train.worker import distributed
-from elastic_train.worker.distributed import Group
 
 log = logging.getLogger(__name__)
+
+
+class Ranks(Protocol):
+    """The ranks a checkpoint manager agrees with, as it uses them (worker/distributed.py's
+    ``Group`` is one): who it is, and the three collectives of a save and a restore, each
+    reached by every rank in the same order."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def all_true(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is true on every rank."""
+        ...
+
+    def broadcast_json(self, value: Any, src: int = 0) -> Any:
+        """``value`` of rank ``src`` on every rank."""
+        ...
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        ...
 
 
 class MemoryTier(Protocol):
@@ -119,7 +144,7 @@ def snapshot_state(objects: Mapping[str, Stateful]) -> dict[str, Any]:
 class CheckpointManager:
     """Checkpoints of one run, used identically by every rank."""
 
-    def __init__(self, store: CheckpointStore, group: Group, policy: CheckpointConfig,
+    def __init__(self, store: CheckpointStore, group: Ranks, policy: CheckpointConfig,
                  events: EventLog, meta: Mapping[str, Any] | None = None,
                  fence: WriterFence | None = None,
                  on_commit: Callable[[], None] | None = None,
@@ -299,7 +324,7 @@ class CheckpointManager:
         self._finish_pending(report_wait=False)
         # Every rank must reach the memory tier (a plain torchrun node joined to ours has
         # no agent holder): else every rank restores from the run directory.
-        use_memory = distributed.all_true(self.group, self.memory is not None)
+        use_memory = self.group.all_true(self.memory is not None)
         try:
             return self._restore(objects, use_memory=use_memory)
         except _MemoryRestoreFailed:
@@ -318,13 +343,13 @@ class CheckpointManager:
                                                          str(self.meta.get("run_id")))
             except StorageError as exc:  # every rank fails with the same line
                 decision = {"error": f"cannot restore from {self.store.root}: {exc}"}
-        decision = distributed.broadcast_json(self.group, decision)
+        decision = self.group.broadcast_json(decision)
         self.epoch = decision.get("epoch")
         if "error" in decision:
             kind = CheckpointMismatchError if decision.get("mismatch") else CheckpointError
             raise kind(decision["error"])
         if decision["step"] is None:
-            distributed.barrier(self.group)
+            self.group.barrier()
             return None
         from_memory = decision.get("memory")
         info = self.store.locate(decision["path"], decision["step"]) if from_memory is None \
@@ -359,7 +384,7 @@ class CheckpointManager:
             failure = CheckpointMismatchError(
                 f"checkpoint {path} does not fit this job ({str(exc).splitlines()[0]}): use a "
                 "new --run-dir or the options that wrote it; it was left untouched")
-        if not distributed.all_true(self.group, failure is None):
+        if not self.group.all_true(failure is None):
             if from_memory is not None and not isinstance(failure, CheckpointMismatchError):
                 log.warning("restoring from the agents' memory failed (%s): restoring from "
                             "%s instead", failure or "on another rank", self.store.root)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import secrets
 import time
 from collections import defaultdict
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from elastic_train.checkpoint.object_keys import PAYLOAD_KEY, STEP_DIR, payload_name
 from elastic_train.checkpoint.object_store import Listed, ObjectStore
 from elastic_train.checkpoint.storage import (
     MANIFEST,
@@ -47,9 +47,6 @@ from elastic_train.checkpoint.storage import (
     unreadable_verdict,
 )
 from elastic_train.errors import CheckpointCorruptError, StorageError
-from elastic_train.live.memory_tier import PAYLOAD_KEY
-
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 PayloadUpload = Callable[[ObjectStore, str, Serialized], bool]
 """Uploads a save's payload to ``(store, key)`` for it: the agent's holder, which keeps
@@ -115,7 +112,7 @@ class ObjectCheckpointStore:
         """
         hook = fault_hook or (lambda stage: None)
         directory = step_dirname(step)
-        name = f"state-{secrets.token_hex(6)}.pt"
+        name = payload_name()
         payload_key = self._key(directory, name)
         hook("tmp-created")
         serialized = payload if isinstance(payload, Serialized) else serialize(payload)
@@ -188,7 +185,7 @@ class ObjectCheckpointStore:
         """Every committed checkpoint (a step with a manifest), newest first."""
         found = []
         for name, objects in self._dirs().items():
-            match = _STEP_DIR.match(name)
+            match = STEP_DIR.match(name)
             if match and any(o.key.endswith("/" + MANIFEST) for o in objects):
                 found.append((int(match.group(1)), name, tuple(objects)))
         found.sort(reverse=True)
@@ -244,7 +241,7 @@ class ObjectCheckpointStore:
         by their step's manifest. Objects of other names are not ours: never touched."""
         stray = []
         for name, objects in self._dirs().items():
-            if not _STEP_DIR.match(name):
+            if not STEP_DIR.match(name):
                 continue
             manifest = next((o for o in objects if o.key.endswith("/" + MANIFEST)), None)
             if manifest is None:

@@ -60,8 +60,8 @@ from elastic_train.checkpoint.storage import (
     model_digest,
     step_dirname,
 )
+from elastic_train.checkpoint.torch_seams import dtensor_chunk
 from elastic_train.errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
-from elastic_train.worker.torch_seams import dtensor_chunk
 
 __all__ = ["COMMON", "PART_MAGIC", "SHARDED", "EncodedShards", "Part", "SaveAbandoned",
            "ShardedSnapshot", "as_dtensor", "check_kind", "commit", "encode", "full_tensors",

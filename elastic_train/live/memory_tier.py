@@ -31,7 +31,8 @@ holder keeps the newest snapshot of each ``(run_id, part)``; the queries below t
   (``storage``: the worker's ``StorageConfig`` fields that reach a store, its endpoint
   resolved); the holder uploads the payload it keeps to that object with its own process's
   credentials and answers once it is in: 200 ``{"seconds": T}``. 400 (a bad body, or a key
-  that is not a checkpoint payload's: ``PAYLOAD_KEY``, the only objects a holder writes),
+  that is not a checkpoint payload's: checkpoint/object_keys.py's ``PAYLOAD_KEY``, the only
+  objects a holder writes),
   401, 404 (not held here), 502 ``{"error": LINE, "kind": "refused" | "unavailable" |
   "config"}`` (what the store or the agent's S3 client said).
 """
@@ -40,14 +41,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["AUTHORIZATION", "BEARER", "HOLDER_KEY", "MANIFEST_HEADER", "MAX_MANIFEST_BYTES",
-           "NEWEST_PATH", "PAYLOAD_KEY", "PAYLOAD_PATH", "REPLICA_HEADER", "REQUIRED",
+           "NEWEST_PATH", "PAYLOAD_PATH", "REPLICA_HEADER", "REQUIRED",
            "SNAPSHOT_PATH", "UPLOAD_PATH",
            "Endpoint", "HolderEntry", "Response", "call", "check_manifest", "encode_manifest",
            "is_newer",
@@ -65,10 +65,6 @@ REPLICA_HEADER = "X-Elastic-Train-Replica"
 MAX_MANIFEST_BYTES = 16 * 1024
 """A manifest travels in a header: its JSON stays under this."""
 REQUIRED = ("run_id", "writer_epoch", "step", "sha256", "bytes")
-PAYLOAD_KEY = re.compile(r"(?:^|/)step-\d{8,}/state-[0-9a-f]{12}\.pt$")
-"""An object store key that names a checkpoint's payload (checkpoint/object_checkpoints.py
-names every payload so): the only objects a holder uploads, and the only ones an object
-checkpoint store's housekeeping deletes."""
 HOLDER_KEY = "elastic_train/memory_tier/holder/{rank}"
 """Where the agent of group rank ``rank`` publishes its holder, in a rendezvous round's
 store (per round: a new round's agents publish again)."""

@@ -1,4 +1,4 @@
-"""What a run tells its users: the event schema and log every process appends to, the
-Prometheus metrics and their endpoint, the console progress, the end-of-run summary, and
+"""What a run tells its users, from its event log (elastic_train/events/): the Prometheus
+metrics and their endpoint, the console progress, the end-of-run summary, and
 ``elastic-train report``.
 """

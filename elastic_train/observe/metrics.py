@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from elastic_train import __version__
 from elastic_train.batch_shares import shard_bounds
 from elastic_train.errors import MetricsError
-from elastic_train.observe.event_schema import Event
+from elastic_train.events.schema import Event
 
 PREFIX = "elastic_train"
 LABELS = ("run_id", "rank", "node")

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from elastic_train.observe.event_schema import Event
+from elastic_train.events.schema import Event
 
 LIVE_REDRAW_SECONDS = 0.2
 LIVE_WINDOW = 20

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_train.errors import ReportError
-from elastic_train.observe.event_schema import Event
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
+from elastic_train.events.schema import Event
 from elastic_train.observe.progress import format_eta
 from elastic_train.observe.summary import launch_segment, summarize
 from elastic_train.rundir import RunDir

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_train.observe.event_schema import Event
+from elastic_train.events.schema import Event
 
 LOSS_WINDOW = 10
 

@@ -30,12 +30,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Group:
-    """The initialised process group of this worker."""
+    """The initialised process group of this worker (checkpoint/manager.py's ``Ranks``: the
+    methods are this module's collectives, for code below the worker that may not import
+    it)."""
 
     rank: int
     world_size: int
     backend: str
     device: torch.device
+
+    def all_true(self, flag: bool) -> bool:
+        return all_true(self, flag)
+
+    def broadcast_json(self, value: Any, src: int = 0) -> Any:
+        return broadcast_json(self, value, src)
+
+    def barrier(self) -> None:
+        barrier(self)
 
 
 def pick_device(env: WorkerEnv) -> torch.device:

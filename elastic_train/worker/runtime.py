@@ -31,7 +31,13 @@ import torch
 from elastic_train.checkpoint.manager import CheckpointManager, Restored, Stateful
 from elastic_train.config import CheckpointConfig, RecoveryMode
 from elastic_train.errors import LiveRecoveryError, NodeLeftAloneError, NodeStoppedError
-from elastic_train.observe.event_schema import (
+from elastic_train.events.log import (
+    EventLog,
+    EventObserver,
+    PreviousIncarnation,
+    previous_incarnation,
+)
+from elastic_train.events.schema import (
     End,
     Hang,
     Preempted,
@@ -40,12 +46,6 @@ from elastic_train.observe.event_schema import (
     Resize,
     Restart,
     Start,
-)
-from elastic_train.observe.events import (
-    EventLog,
-    EventObserver,
-    PreviousIncarnation,
-    previous_incarnation,
 )
 from elastic_train.rundir import Publisher, RunDir
 from elastic_train.worker import aborts, distributed, sharded_recovery

@@ -20,8 +20,8 @@ from typing import Any
 
 from elastic_train.checkpoint.manager import CheckpointManager
 from elastic_train.errors import CheckpointStopError, StaleWorldError
-from elastic_train.observe.event_schema import Stopped
-from elastic_train.observe.events import EventLog, PreviousIncarnation
+from elastic_train.events.log import EventLog, PreviousIncarnation
+from elastic_train.events.schema import Stopped
 from elastic_train.worker import distributed
 from elastic_train.worker.distributed import Group
 

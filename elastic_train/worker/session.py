@@ -75,8 +75,8 @@ from elastic_train.config import (
     storage_from_options,
 )
 from elastic_train.errors import ConfigError, LiveRecoveryError
-from elastic_train.observe.event_schema import Step
-from elastic_train.observe.events import EventLog
+from elastic_train.events.log import EventLog
+from elastic_train.events.schema import Step
 from elastic_train.worker import data_parallel, distributed, sharded_recovery, torch_seams
 from elastic_train.worker.batching import global_batch
 from elastic_train.worker.bootstrap import join_world, place_worker

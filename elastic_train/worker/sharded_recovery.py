@@ -37,10 +37,10 @@ from torch.distributed.tensor import DTensor
 
 from elastic_train.checkpoint import sharded
 from elastic_train.checkpoint.manager import Restored, Stateful
+from elastic_train.checkpoint.torch_seams import dtensor_chunk
 from elastic_train.errors import LiveRecoveryError
 from elastic_train.worker import distributed
 from elastic_train.worker.distributed import Group
-from elastic_train.worker.torch_seams import dtensor_chunk
 
 __all__ = ["Holding", "ShardedLive", "Shared", "hold", "share"]
 

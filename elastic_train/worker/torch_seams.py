@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.torch_private import Private
 
 __all__ = ["REQUIRED", "become", "default_store", "destroy_process_group_preceded_by",
-           "dtensor_chunk", "fsdp_comms",
+           "fsdp_comms",
            "group_shutdown_skipped", "groups_of_this_process", "keep_lr_scheduler_mark",
            "remove_gradient_hooks", "renew_reducer", "reset_group_count",
            "tensor_use_count"]
@@ -56,9 +56,6 @@ REQUIRED: tuple[Private, ...] = (
             "work is dropped (group_shutdown_skipped)"),
     Private("torch", "Tensor._use_count", "to tell when no work of the backend holds a "
             "tensor any more (tensor_use_count)"),
-    Private("torch.distributed.tensor", "DTensor.__create_chunk_list__",
-            "where a rank's shard of a sharded tensor sits in the whole (dtensor_chunk: a "
-            "sharded checkpoint's index, checkpoint/sharded.py)", params=()),
     Private(_FSDP_API, "AllGather.__call__", "FSDP2's all-gather protocol, for one whose "
             "wait a lost peer ends (fsdp_comms)",
             params=("output_tensor", "input_tensor", "group", "async_op")),
@@ -73,15 +70,6 @@ REQUIRED: tuple[Private, ...] = (
             "the composable APIs' module -> state map (a weak reference per module), "
             "pointed at the new state when a module takes over another (become)"),
 )
-
-
-def dtensor_chunk(tensor: Any) -> tuple[list[int], list[int]]:
-    """``(offsets, sizes)`` of this rank's local part of DTensor ``tensor`` in the whole
-    tensor (the protocol torch's own distributed checkpoint reads shards by)."""
-    chunks = tensor.__create_chunk_list__()
-    if len(chunks) != 1:
-        raise ValueError(f"a DTensor with {len(chunks)} local chunks is not supported")
-    return list(chunks[0].offsets), list(chunks[0].sizes)
 
 
 def fsdp_comms(run: Callable[..., None]) -> tuple[Any, Any]:

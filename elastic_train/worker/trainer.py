@@ -26,10 +26,10 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.checkpoint.manager import Restored
 from elastic_train.config import JobConfig
 from elastic_train.errors import ConfigError, ElasticTrainError
-from elastic_train.observe.event_schema import BatchPlan as BatchPlanEvent
-from elastic_train.observe.event_schema import Startup, Step
-from elastic_train.observe.events import EventObserver, read_events
-from elastic_train.observe.line_file import LineFile
+from elastic_train.events.line_file import LineFile
+from elastic_train.events.log import EventObserver, read_events
+from elastic_train.events.schema import BatchPlan as BatchPlanEvent
+from elastic_train.events.schema import Startup, Step
 from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
 from elastic_train.rundir import RunDir

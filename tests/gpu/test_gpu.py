@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
 from elastic_train.rundir import EVENTS_FILE
 from tests.gpu.cuda_task import HANG_FLAG
 from tests.integration import harness

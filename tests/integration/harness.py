@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_train import cli
+from elastic_train.events.log import read_events
 from elastic_train.live.environment import RENDEZVOUS_SECONDS
-from elastic_train.observe.events import read_events
 from elastic_train.rundir import EVENTS_FILE
 from elastic_train.torch_compat import CHECKED
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
 from tests.integration import harness
 from tests.integration.harness import TINY_DROPOUT_STEPS
 

@@ -21,7 +21,7 @@ import pytest
 
 from elastic_train.checkpoint import fence as fence_module
 from elastic_train.checkpoint.fence import WriterFence
-from elastic_train.observe.line_file import LineFile
+from elastic_train.events.line_file import LineFile
 from tests.chaos import disk as chaos_disk
 
 

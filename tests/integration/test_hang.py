@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow

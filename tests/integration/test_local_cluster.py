@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
 from elastic_train.rundir import EVENTS_FILE
 from tests import etcd_server
 from tests.integration import harness, prom

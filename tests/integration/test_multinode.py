@@ -44,7 +44,7 @@ from typing import Any
 import pytest
 
 from elastic_train.checkpoint.storage import MANIFEST
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
 from elastic_train.rundir import EVENTS_FILE
 from elastic_train.worker.sampler import epoch_order
 from elastic_train.worker.trainer import lr_factor

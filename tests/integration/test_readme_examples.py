@@ -15,7 +15,7 @@ import safetensors.torch
 
 from elastic_train import cli
 from elastic_train.checkpoint.storage import model_digest
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
 from elastic_train.rundir import EVENTS_FILE
 from elastic_train.worker.live_world import live_needs_our_agent
 from tests.integration import harness, prom

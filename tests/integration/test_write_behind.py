@@ -34,8 +34,8 @@ from elastic_train.checkpoint.object_store import ObjectLocation, ObjectStore
 from elastic_train.checkpoint.storage import model_digest
 from elastic_train.config import CheckpointConfig, StorageConfig
 from elastic_train.errors import MemoryTierError, StorageUnavailableError
+from elastic_train.events.log import EventLog, read_events
 from elastic_train.live.memory_tier import Endpoint
-from elastic_train.observe.events import EventLog, read_events
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.memory_tier import MemoryTierClient
 from tests.s3_server import S3Server

@@ -21,7 +21,7 @@ from elastic_train.checkpoint.snapshot import (
 from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 from elastic_train.config import CheckpointConfig
 from elastic_train.errors import CheckpointError
-from elastic_train.observe.events import EventLog, read_events
+from elastic_train.events.log import EventLog, read_events
 from elastic_train.worker.distributed import Group
 
 GROUP = Group(0, 1, "gloo", torch.device("cpu"))

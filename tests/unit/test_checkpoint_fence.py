@@ -14,7 +14,7 @@ from elastic_train.checkpoint.manager import CheckpointManager
 from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 from elastic_train.config import CheckpointConfig
 from elastic_train.errors import CheckpointFencedError
-from elastic_train.observe.events import EventLog, read_events
+from elastic_train.events.log import EventLog, read_events
 from elastic_train.rundir import RunDir
 from elastic_train.worker.distributed import Group
 

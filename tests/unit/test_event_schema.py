@@ -1,4 +1,4 @@
-"""Unit tests of the event log's schema (observe/event_schema.py), of the package keeping to it (a
+"""Unit tests of the event log's schema (events/schema.py), of the package keeping to it (a
 source check: events are emitted as typed records and recognised by ``Event``, never by a
 spelled-out name) and of the run directory's layout (rundir.py). Single process, no torch.
 """
@@ -16,8 +16,9 @@ import pytest
 
 import elastic_train
 from elastic_train.errors import ConfigError
-from elastic_train.observe import event_schema
-from elastic_train.observe.event_schema import (
+from elastic_train.events import schema as event_schema
+from elastic_train.events.log import EventLog, read_events
+from elastic_train.events.schema import (
     CheckpointSaved,
     Event,
     EventRecord,
@@ -26,7 +27,6 @@ from elastic_train.observe.event_schema import (
     Startup,
     Step,
 )
-from elastic_train.observe.events import EventLog, read_events
 from elastic_train.rundir import (
     CHECKPOINTS_DIR,
     EVENTS_FILE,
@@ -266,12 +266,12 @@ def _violations(source: str, relative: str) -> list[str]:
                 and isinstance(node.args[0], ast.Constant) \
                 and isinstance(node.args[0].value, str):
             found.append((node.lineno, f"emit({node.args[0].value!r}, ...): emit a record "
-                                       "of observe/event_schema.py"))
+                                       "of events/schema.py"))
         if isinstance(node, ast.Attribute) and node.attr == "emit_raw":
             found.append((node.lineno, "emit_raw is for replays and tests, not the package"))
         if isinstance(node, ast.Name) and node.id == "emit_raw":
             found.append((node.lineno, "emit_raw is for replays and tests, not the package"))
-    if relative != "observe/event_schema.py":
+    if relative != "events/schema.py":
         found.extend(_spelled_event_names(tree))
     if relative == "observe/metrics.py":
         for node in ast.walk(tree):
@@ -341,11 +341,11 @@ def good(log, record, info, kind):
     ]
     found = _violations(source, "anywhere.py")
     assert [v for v in found if "emit" in v] == [
-        "anywhere.py:3: emit('step', ...): emit a record of observe/event_schema.py",
+        "anywhere.py:3: emit('step', ...): emit a record of events/schema.py",
         "anywhere.py:4: emit_raw is for replays and tests, not the package"]
     assert len(found) == 2 + len(spelled)
-    assert _violations(source, "observe/event_schema.py") == [         # where the names live
-        v.replace("anywhere.py", "observe/event_schema.py") for v in found[:2]]
+    assert _violations(source, "events/schema.py") == [         # where the names live
+        v.replace("anywhere.py", "events/schema.py") for v in found[:2]]
     handlers = """
 class M:
     def __init__(self):

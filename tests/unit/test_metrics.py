@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from elastic_train.config import JobConfig, MetricsConfig
 from elastic_train.errors import MetricsError
-from elastic_train.observe.events import EventLog, previous_incarnation, read_events
+from elastic_train.events.log import EventLog, previous_incarnation, read_events
 from elastic_train.observe.metrics import WorkerMetrics, check_single_process_mode
 from elastic_train.observe.metrics_server import (
     MetricsServer,
@@ -340,13 +340,13 @@ def test_an_observer_that_raises_is_logged_once_and_stops_nothing(
 
     seen: list[dict[str, Any]] = []
     log = EventLog(tmp_path / "events.jsonl", observers=[broken, seen.append])
-    with caplog.at_level("WARNING", logger="elastic_train.observe.events"):
+    with caplog.at_level("WARNING", logger="elastic_train.events.log"):
         log.emit_raw("step", step=1, loss=2.0)
         log.emit_raw("step", step=2, loss=1.0)
     log.close()
     assert [r["step"] for r in seen] == [1, 2]
     assert [r["step"] for r in read_events(tmp_path / "events.jsonl")] == [1, 2]
-    errors = [r for r in caplog.records if r.name == "elastic_train.observe.events"]
+    errors = [r for r in caplog.records if r.name == "elastic_train.events.log"]
     assert len(errors) == 1 and "broken" in errors[0].getMessage()
     assert errors[0].exc_info is not None and "outside world" in str(errors[0].exc_info[1])
 

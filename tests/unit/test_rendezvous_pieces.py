@@ -12,8 +12,8 @@ import pytest
 from torch.distributed.elastic import metrics
 
 from elastic_train.errors import ConfigError, RendezvousConfigError
+from elastic_train.events.log import EventLog, previous_incarnation, read_events_backwards
 from elastic_train.live.environment import RENDEZVOUS_SECONDS
-from elastic_train.observe.events import EventLog, previous_incarnation, read_events_backwards
 from elastic_train.observe.summary import summarize
 from elastic_train.rendezvous import timing
 from elastic_train.rendezvous.client import Endpoint, _reason

@@ -21,7 +21,7 @@ from torch import nn
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
 from elastic_train.errors import CheckpointFencedError, CheckpointStopError, NodeStoppedError
-from elastic_train.observe.events import EventLog, read_events
+from elastic_train.events.log import EventLog, read_events
 from elastic_train.rundir import RunDir
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv

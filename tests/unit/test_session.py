@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 
 from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 from elastic_train.errors import ConfigError
-from elastic_train.observe.events import read_events
+from elastic_train.events.log import read_events
 from elastic_train.rundir import EVENTS_FILE
 from elastic_train.worker.batching import global_batch
 from elastic_train.worker.env import WorkerEnv

@@ -25,7 +25,7 @@ from elastic_train.checkpoint.manager import CheckpointManager, snapshot_state
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.config import CheckpointConfig
 from elastic_train.errors import ConfigError, TaskError
-from elastic_train.observe.events import EventLog, read_events
+from elastic_train.events.log import EventLog, read_events
 from elastic_train.observe.summary import summarize
 from elastic_train.rundir import prepare_run_dir
 from elastic_train.tasks.base import TaskContext

@@ -173,7 +173,7 @@ def test_the_key_follows_the_seams_source_and_torchs_install(monkeypatch: pytest
                                                              tmp_path: Path) -> None:
     package = tmp_path / "elastic_train"
     for part in ("agent/torch_seams.py", "rendezvous/torch_seams.py", "worker/torch_seams.py",
-                 "torch_private.py"):
+                 "checkpoint/torch_seams.py", "torch_private.py"):
         (package / part).parent.mkdir(parents=True, exist_ok=True)
         (package / part).write_bytes((REPO / "elastic_train" / part).read_bytes())
     monkeypatch.setattr(torch_compat, "_PACKAGE", package)

@@ -12,7 +12,7 @@ import pytest
 from elastic_train.torch_private import Private, missing
 
 SEAMS = ["elastic_train.agent.torch_seams", "elastic_train.rendezvous.torch_seams",
-         "elastic_train.worker.torch_seams"]
+         "elastic_train.worker.torch_seams", "elastic_train.checkpoint.torch_seams"]
 
 
 @pytest.mark.parametrize("seam", SEAMS)
@@ -40,7 +40,7 @@ def test_the_check_names_the_torch_version_and_what_is_gone() -> None:
     assert len(lines) == 3 and "torch.no_such_module does not import" in lines[2]
 
 
-WORKER = Path(__file__).resolve().parents[2] / "elastic_train" / "worker"
+PACKAGE = Path(__file__).resolve().parents[2] / "elastic_train"
 TORCH_OWNERS = ("torch", "dist", "c10d", "distributed_c10d")
 
 
@@ -58,13 +58,20 @@ def private_torch_uses(source: str, private_names: set[str]) -> list[str]:
     return sorted(found)
 
 
-def test_the_worker_uses_torch_privates_only_through_its_seam() -> None:
+@pytest.mark.parametrize("folder", ["worker", "checkpoint"])
+def test_the_worker_and_its_checkpoints_use_torch_privates_only_through_their_seam(
+        folder: str) -> None:
+    seam = importlib.import_module(f"elastic_train.{folder}.torch_seams")
+    names = {p.path.split(".")[-1] for p in seam.REQUIRED if p.path.split(".")[-1][0] == "_"}
+    found = {path.name: private_torch_uses(path.read_text(), names)
+             for path in sorted((PACKAGE / folder).glob("*.py")) if path.name != "torch_seams.py"}
+    assert {name: uses for name, uses in found.items() if uses} == {}
+
+
+def test_a_private_use_outside_the_seam_is_found() -> None:
     from elastic_train.worker import torch_seams
 
     names = {p.path.split(".")[-1] for p in torch_seams.REQUIRED if p.path.split(".")[-1][0] == "_"}
-    found = {path.name: private_torch_uses(path.read_text(), names)
-             for path in sorted(WORKER.glob("*.py")) if path.name != "torch_seams.py"}
-    assert {name: uses for name, uses in found.items() if uses} == {}
     bad = "ddp.reducer._remove_autograd_hooks()\nx = dist.distributed_c10d._world\n"
     assert private_torch_uses(bad, names) == ["ddp.reducer._remove_autograd_hooks (line 1)",
                                               "dist.distributed_c10d._world (line 2)"]

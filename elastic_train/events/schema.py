@@ -1,6 +1,6 @@
 """The event log's schema: every event's name and fields, in one place.
 
-The event log (observe/events.py) is the bus between the worker and what reads a run: metrics,
+The event log (events/log.py) is the bus between the worker and what reads a run: metrics,
 progress, the end-of-run summary, reports. Emitters build one of the records below and hand
 it to ``EventLog.emit``; readers get plain dicts back from the file (older logs may lack
 newer fields: read them with ``.get``) and compare ``record["event"]`` with ``Event``.

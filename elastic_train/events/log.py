@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_train.observe.event_schema import Event, EventRecord
-from elastic_train.observe.line_file import LineFile
+from elastic_train.events.line_file import LineFile
+from elastic_train.events.schema import Event, EventRecord
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class EventLog:
         self._failed: set[int] = set()  # observers (by index) whose failure was logged
 
     def emit(self, record: EventRecord) -> None:
-        """Append one record (observe/event_schema.py) and show it to the observers."""
+        """Append one record (events/schema.py) and show it to the observers."""
         if not self.enabled and not self.observers:
             return
         fields = record.fields()
