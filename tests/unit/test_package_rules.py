@@ -8,6 +8,9 @@
 - The two processes stay apart: ``worker/`` imports nothing of ``agent/``; ``agent/``
   imports of ``worker/`` only what it launches (the entrypoints) and the environment reader
   it checks before launching; ``live/``, the contract both share, imports neither.
+- Every folder and top-level module has its place in one order (``LAYERS``, lowest first):
+  it imports only what comes before it (imports inside functions count too), so there is
+  no cycle between them and a reader knows which way every arrow points.
 """
 
 from __future__ import annotations
@@ -161,3 +164,75 @@ def test_the_launcher_imports_no_torch_before_it_starts_the_workers_server() -> 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+LAYERS = (
+    # the ground: no elastic_train import, or errors only
+    "errors", "process_exit", "thread_priority", "torch_private", "network", "batch_shares",
+    "config",
+    # what a process is made of, torch-free where it says so
+    "events", "live", "tasks", "torch_compat",
+    # services: the rendezvous (agent side), checkpoints, the run directory, what users see
+    "rendezvous", "checkpoint", "rundir", "observe",
+    # the two processes, the worker below the agent that launches it
+    "worker", "agent",
+    # the entry points
+    "cli", "train", "__main__",
+)
+"""Every unit of the package (a folder, or a module at its top), lowest first: a unit imports
+only units before it. The package's root (``elastic_train/__init__.py``: the public names,
+loaded on first use) is above them all; importing its ``__version__`` is no arrow."""
+
+
+def unit_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def arrows_against_the_layers(sources: dict[str, set[str]]) -> list[str]:
+    """``FILE imports MODULE`` for every import of a unit that is not below the file's own
+    unit (``sources``: each file, relative to the package, and the modules it imports)."""
+    rank = {unit: i for i, unit in enumerate(LAYERS)}
+    found = []
+    for source, modules in sorted(sources.items()):
+        own = unit_of(PACKAGE / source)
+        if own == "__init__":  # the package's root
+            continue
+        seen = set()
+        for module in sorted(modules):  # the shortest name of a unit first
+            parts = module.split(".")
+            if parts[0] != "elastic_train" or len(parts) < 2 or parts[1] == "__version__" \
+                    or parts[1] == own or parts[1] in seen:
+                continue
+            target = parts[1]
+            seen.add(target)
+            if target not in rank:
+                found.append(f"{source} imports {module} (a unit LAYERS does not name)")
+            elif rank[target] >= rank[own]:
+                found.append(f"{source} imports {module} ({own} may import only units "
+                             f"before it in LAYERS)")
+    return found
+
+
+def test_every_unit_of_the_package_has_its_place_in_the_layers() -> None:
+    units = {unit_of(p) for p in SOURCES} - {"__init__"}
+    assert units == set(LAYERS), (sorted(units - set(LAYERS)), sorted(set(LAYERS) - units))
+
+
+def test_every_import_points_down_the_layers() -> None:
+    sources = {relative(p): {m for m in imported_modules(ast.parse(p.read_text()))
+                             if m.startswith("elastic_train.")} for p in SOURCES}
+    assert arrows_against_the_layers(sources) == []
+
+
+def test_an_import_up_the_layers_is_found() -> None:
+    bad = {"checkpoint/manager.py": {"elastic_train.worker.distributed",
+                                      "elastic_train.events.log", "elastic_train.__version__"},
+           "rendezvous/forget.py": {"elastic_train.agent.torch_seams"},
+           "observe/metrics.py": {"elastic_train.observe.events", "elastic_train.nowhere.x"}}
+    assert arrows_against_the_layers(bad) == [
+        "checkpoint/manager.py imports elastic_train.worker.distributed (checkpoint may "
+        "import only units before it in LAYERS)",
+        "observe/metrics.py imports elastic_train.nowhere.x (a unit LAYERS does not name)",
+        "rendezvous/forget.py imports elastic_train.agent.torch_seams (rendezvous may import "
+        "only units before it in LAYERS)"]
