@@ -13,20 +13,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from elastic_train.rendezvous.client import (
-    MAX_TXN_OPS,
+from elastic_train.rendezvous.etcd_v3.gateway import MAX_TXN_OPS, chunks
+from elastic_train.rendezvous.etcd_v3.kv import (
     EtcdUnreachableError,
     KeyValue,
     LeaseNotFound,
     Watch,
     WatchCompacted,
     WatchEvent,
-    _chunks,
-    _WatchQueue,
+    WatchQueue,
 )
 
 
-class _MemoryWatch(_WatchQueue):
+class _MemoryWatch(WatchQueue):
     """A watch on ``MemoryKV``: the store pushes its changes into the queue."""
 
     def __init__(self, kv: MemoryKV, prefix: str, start_revision: int) -> None:
@@ -37,7 +36,7 @@ class _MemoryWatch(_WatchQueue):
 
     def _offer(self, event: WatchEvent) -> None:
         if event.key.startswith(self.prefix) and event.mod_revision >= self.start_revision:
-            self._push([event])
+            self.push([event])
 
     def cancel(self) -> None:
         self._kv._unwatch(self)
@@ -45,7 +44,7 @@ class _MemoryWatch(_WatchQueue):
 
 
 class MemoryKV:
-    """Thread-safe fake of ``elastic_train.rendezvous.client.KV``."""
+    """Thread-safe fake of ``elastic_train.rendezvous.etcd_v3.kv.KV``."""
 
     endpoint = "memory://fake-etcd"
 
@@ -83,7 +82,7 @@ class MemoryKV:
         with self._lock:
             watches, self._watches = self._watches, []
         for watch in watches:
-            watch._fail(EtcdUnreachableError(
+            watch.fail(EtcdUnreachableError(
                 self.endpoint, f"watching {watch.prefix}: the stream ended"))
 
     # ---- internals (under self._lock) ----------------------------------------------------
@@ -174,7 +173,7 @@ class MemoryKV:
         with self._lock:
             self.requests += 1
             self._check_lease(lease)
-            for chunk in _chunks(list(items)):  # one etcd transaction, one revision, each
+            for chunk in chunks(list(items)):  # one etcd transaction, one revision, each
                 revision = self._bump()
                 for key, value in chunk:
                     self._put(key, value, lease, revision)
@@ -261,7 +260,7 @@ class MemoryKV:
             start = start_revision if start_revision > 0 else self._revision + 1
             watch = _MemoryWatch(self, prefix, start)
             if start < self._compacted:
-                watch._fail(WatchCompacted(self._compacted))
+                watch.fail(WatchCompacted(self._compacted))
                 return watch
             for event in self._history:
                 watch._offer(event)

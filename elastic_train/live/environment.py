@@ -16,7 +16,7 @@ __all__ = ["LIVE_GENERATION", "LIVE_RECOVERY", "LIVE_STORE", "MEMORY_TIER",
            "read_stop_note", "set_for_workers", "set_rendezvous_seconds"]
 
 # Set by the agent for its workers (agent/environment.py). How long their rendezvous took,
-# after each one (rendezvous/timing.py, rendezvous/handler.py):
+# after each one (rendezvous/timing.py, rendezvous/etcd_v3/state_key.py):
 RENDEZVOUS_SECONDS = "ELASTIC_TRAIN_RENDEZVOUS_SECONDS"
 # A JSON file of values the agent learned after a forked worker's environment was fixed,
 # read over the environment (``set_for_workers`` writes it):

@@ -1,25 +1,16 @@
-"""Everything about rendezvous: its configuration, and the etcd v3 backend for torch's elastic
-agent (``--rdzv-backend etcd-v3``).
+"""Everything about rendezvous: its configuration for every backend, and the etcd v3 backend
+for torch's elastic agent (``--rdzv-backend etcd-v3``, in etcd_v3/).
 
-Configuration (free of torch imports, used by the launcher before it imports torch):
-``config`` holds the ``--rdzv-*`` defaults per backend and parses and checks ``--rdzv-conf``;
-``heartbeat`` the heartbeat defaults and checks; ``options`` the ``etcd-v3`` backend's
-options; ``failures`` the lines for rendezvous errors torch leaves unexplained;
-``preflight`` checks a rendezvous service before a launch.
+For every backend (free of torch imports where the launcher uses them before it imports
+torch): ``config`` holds the ``--rdzv-*`` defaults per backend and parses and checks
+``--rdzv-conf``; ``heartbeat`` the heartbeat defaults and checks; ``failures`` the lines for
+rendezvous errors torch leaves unexplained; ``preflight`` checks a rendezvous service before
+a launch; ``timing`` hands how long a rendezvous took to the next workers; ``forget`` removes
+nodes that live recovery found lost from torch's dynamic rendezvous; ``torch_seams`` holds
+the private names of torch's dynamic handler that ``forget`` and etcd_v3's state-key design
+use; ``plugin`` is the ``torchrun.handlers`` entry point of ``etcd-v3``.
 
-The etcd-v3 backend: ``client`` is the only module that talks to etcd; ``store`` is the c10d
-store the agents share; ``plugin`` is the ``torchrun.handlers`` entry point, and
-``handler.create_handler`` picks one of two designs:
-
-- ``design=leases`` (the default), designed for etcd: ``lease_handler`` (one key per node,
-  watches, one transaction to close a round), ``rounds`` (a round's rules apart from etcd),
-  ``node_lease`` (a node's liveness: its own lease, renewed by a thread), ``outage`` (a job
-  trains on while etcd is down);
-- ``design=state-key``: torch's ``DynamicRendezvousHandler`` (``handler``) on ``backend``
-  (the whole rendezvous state in one key, fenced by its revision) and ``lease`` (one lease
-  for that state and the store's keys).
-
-For every backend: ``timing`` hands how long a rendezvous took to the next workers;
-``forget`` removes nodes that live recovery found lost from torch's dynamic rendezvous.
-Importing this package registers nothing (torch does, through the entry point).
+etcd_v3/ (see its ``__init__``): ``create.create_handler`` picks one of two designs,
+``leases`` (the default) and ``state-key``. Importing this package registers nothing (torch
+does, through the entry point).
 """

@@ -4,7 +4,7 @@ checked.
 ``elastic-train run`` completes what the user gives here before torchrun sees it: the
 endpoint and job id a single node does without, and ``--rdzv-conf`` defaults for jobs that
 must not sit in torch's 30 s last call (``RDZV_DEFAULTS``); what the user gives wins. The
-``etcd-v3`` backend's own options and their checks are in options.py, which takes its
+``etcd-v3`` backend's own options and their checks are in etcd_v3/options.py, which takes its
 last-call default from here.
 
 Free of torch imports: the launcher imports this before it imports torch (agent/worker_start.py).
@@ -25,14 +25,14 @@ DEFAULT_BACKEND = "c10d"
 LAST_CALL_TIMEOUT = 5.0
 
 # --rdzv-conf defaults per backend of torch's; what the user gives wins. etcd-v3 has its
-# defaults built in (options.py). Heartbeats keep torch's 5 s x 3 (heartbeat.py).
+# defaults built in (etcd_v3/options.py). Heartbeats keep torch's 5 s x 3 (heartbeat.py).
 RDZV_DEFAULTS: dict[str, dict[str, str]] = {
     backend: {"last_call_timeout": f"{LAST_CALL_TIMEOUT:g}"}
     for backend in ("c10d", "etcd-v2", "etcd")
 }
 
 # torch's backends with heartbeats (keep_alive_*), which torch does not check: checked here
-# as etcd-v3's are (options.py).
+# as etcd-v3's are (etcd_v3/options.py).
 HEARTBEAT_BACKENDS = ("c10d", "etcd-v2")
 
 # One node needs no shared endpoint or job id: a free port on this host, a random id.
@@ -76,7 +76,7 @@ def rdzv_conf_with_defaults(backend: str, text: str) -> str:
     """The --rdzv-conf to launch with: the user's, completed with ``RDZV_DEFAULTS``.
 
     For torch's backends with heartbeats (c10d, etcd-v2) the heartbeat settings are checked
-    like etcd-v3's (options.py), which torch does not do.
+    like etcd-v3's (etcd_v3/options.py), which torch does not do.
     """
     conf = {**RDZV_DEFAULTS.get(backend, {}), **parse_rdzv_conf(text)}
     if backend in HEARTBEAT_BACKENDS:

@@ -13,7 +13,7 @@ A node removed while it still runs (cut off, not dead) is what torch's expiry wo
 of it too: it stops sending heartbeats, finds itself outside the newer plan, and joins
 again as a new node.
 
-The lease design of etcd-v3 (lease_handler.py) needs none of this to form its next round
+The lease design of etcd-v3 (etcd_v3/leases.py) needs none of this to form its next round
 (a round there never waits for a member of the one before), but its members watch each
 other's leases: every agent tells its own handler which members live recovery left out,
 so that their leases expiring later does not re-form a world they are no longer in.

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's creator for ``--rdzv-backend etcd-v3`` (see handler.py)."""
-    from elastic_train.rendezvous.handler import create_handler as create
+    """torchrun's creator for ``--rdzv-backend etcd-v3`` (etcd_v3/create.py)."""
+    from elastic_train.rendezvous.etcd_v3.create import create_handler as create
 
     return create(params)
 

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic_train.errors import RendezvousUnavailableError
-from elastic_train.rendezvous.client import EtcdUnreachableError
-from elastic_train.rendezvous.options import SETTINGS, EtcdV3Options, parse_endpoint
-from elastic_train.rendezvous.outage import retry_unreachable
+from elastic_train.rendezvous.etcd_v3.kv import EtcdUnreachableError
+from elastic_train.rendezvous.etcd_v3.options import SETTINGS, EtcdV3Options, parse_endpoint
+from elastic_train.rendezvous.etcd_v3.outage import retry_unreachable
 
 V2_BACKENDS = ("etcd", "etcd-v2")
 
@@ -96,7 +96,7 @@ def check_v3(endpoint: str, config: Mapping[str, Any]) -> None:
     """``etcd-v3``: its options parse, and etcd answers — with these TLS files and user."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-    from elastic_train.rendezvous.handler import connect
+    from elastic_train.rendezvous.etcd_v3.create import connect
 
     options = EtcdV3Options.parse(endpoint, config)
     kv = connect(options)

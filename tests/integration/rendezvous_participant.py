@@ -41,9 +41,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic_train.rendezvous.handler import build_handler, connect
-from elastic_train.rendezvous.lease_handler import LeaseRendezvousHandler
-from elastic_train.rendezvous.options import EtcdV3Options
+from elastic_train.rendezvous.etcd_v3.create import connect
+from elastic_train.rendezvous.etcd_v3.leases import LeaseRendezvousHandler
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options
+from elastic_train.rendezvous.etcd_v3.state_key import build_handler
 
 DESIGNS = ("leases", "state-key", "etcd-v2")
 _print_lock = threading.Lock()

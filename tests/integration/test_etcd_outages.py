@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from elastic_train.rendezvous.handler import connect
-from elastic_train.rendezvous.options import EtcdV3Options
-from elastic_train.rendezvous.rounds import RoundKeys
+from elastic_train.rendezvous.etcd_v3.create import connect
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options
+from elastic_train.rendezvous.etcd_v3.rounds import RoundKeys
 from tests.etcd_server import EtcdServer, free_port
 from tests.integration import harness
 
@@ -193,8 +193,8 @@ def test_the_rendezvous_store_waits_for_a_restarting_etcd(own_etcd: EtcdServer) 
     every agent of the job ended with EtcdUnreachableError)."""
     from datetime import timedelta
 
-    from elastic_train.rendezvous.lease import SharedLease
-    from elastic_train.rendezvous.store import EtcdStore
+    from elastic_train.rendezvous.etcd_v3.shared_lease import SharedLease
+    from elastic_train.rendezvous.etcd_v3.store import EtcdStore
 
     kv = connect(EtcdV3Options.parse(own_etcd.endpoint, {}))
     store = EtcdStore(kv, "/outage-store", SharedLease(kv, 60), timedelta(seconds=10),

@@ -18,12 +18,10 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elastic_train.rendezvous.client import (
+from elastic_train.rendezvous.etcd_v3.client import Credentials, Endpoint, EtcdKV
+from elastic_train.rendezvous.etcd_v3.gateway import MAX_TXN_OPS
+from elastic_train.rendezvous.etcd_v3.kv import (
     KV,
-    MAX_TXN_OPS,
-    Credentials,
-    Endpoint,
-    EtcdKV,
     EtcdUnreachableError,
     Watch,
     WatchCompacted,

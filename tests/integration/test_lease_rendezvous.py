@@ -1,4 +1,4 @@
-"""The ``etcd-v3`` rendezvous of ``design=leases`` (rendezvous/lease_handler.py) against a real
+"""The ``etcd-v3`` rendezvous of ``design=leases`` (rendezvous/etcd_v3/leases.py) against a real
 etcd, with participants in threads and in processes of their own, real SIGKILLs, real lease
 expiry; the thread tests also run on ``MemoryKV``, which must behave alike.
 """
@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
-from elastic_train.rendezvous.client import KV, EtcdKV
-from elastic_train.rendezvous.lease_handler import LeaseRendezvousHandler
-from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
-from elastic_train.rendezvous.rounds import RoundKeys
+from elastic_train.rendezvous.etcd_v3.client import EtcdKV
+from elastic_train.rendezvous.etcd_v3.kv import KV
+from elastic_train.rendezvous.etcd_v3.leases import LeaseRendezvousHandler
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options, parse_endpoint
+from elastic_train.rendezvous.etcd_v3.rounds import RoundKeys
 from tests.etcd_server import EtcdServer
 from tests.integration.threads import run_threads
 from tests.memory_kv import MemoryKV
@@ -327,9 +328,9 @@ def test_a_rank_0_lost_right_after_the_round_closed_costs_its_members_a_bounded_
     from torch.distributed import PrefixStore
 
     from elastic_train.errors import RoundMemberLostError
-    from elastic_train.rendezvous import lease_handler
+    from elastic_train.rendezvous.etcd_v3 import leases
 
-    monkeypatch.setattr(lease_handler, "STORE_INFO_SECONDS", 1.0)
+    monkeypatch.setattr(leases, "STORE_INFO_SECONDS", 1.0)
     run_id = uuid.uuid4().hex
     members = [handler(kv, run_id, 2, 2, i) for i in range(2)]
     worlds = run_threads(lambda i: members[i]._join(), 2)  # the round, no address yet

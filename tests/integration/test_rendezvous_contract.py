@@ -21,12 +21,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.utils.store import barrier
 
-from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend
-from elastic_train.rendezvous.client import KV, EtcdKV
-from elastic_train.rendezvous.handler import build_handler
-from elastic_train.rendezvous.lease import SharedLease
-from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
-from elastic_train.rendezvous.store import EtcdStore
+from elastic_train.rendezvous.etcd_v3.client import EtcdKV
+from elastic_train.rendezvous.etcd_v3.kv import KV
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options, parse_endpoint
+from elastic_train.rendezvous.etcd_v3.shared_lease import SharedLease
+from elastic_train.rendezvous.etcd_v3.state_backend import EtcdV3RendezvousBackend
+from elastic_train.rendezvous.etcd_v3.state_key import build_handler
+from elastic_train.rendezvous.etcd_v3.store import EtcdStore
 from tests.integration.threads import run_threads
 from tests.memory_kv import MemoryKV
 

@@ -17,8 +17,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elastic_train.agent import launch
 from elastic_train.errors import RendezvousUnavailableError
-from elastic_train.rendezvous.handler import connect
-from elastic_train.rendezvous.options import EtcdV3Options
+from elastic_train.rendezvous.etcd_v3.create import connect
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options
 from elastic_train.rendezvous.preflight import check_rendezvous
 from tests.etcd_server import EtcdServer, TlsFiles, free_port
 

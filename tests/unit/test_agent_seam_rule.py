@@ -34,7 +34,7 @@ NOT_TORCH = {
     "agent/worker_start.py": {"_forkserver", "_forkserver_pid", "_stop"},  # CPython's forkserver
     "agent/launch.py": {"_actions"},  # argparse's
     "agent/launch_options.py": {"_actions"},  # argparse's
-    "rendezvous/client.py": {"_connection", "_fp", "_sock"},  # urllib3's, http.client's
+    "rendezvous/etcd_v3/watch.py": {"_connection", "_fp", "_sock"},  # urllib3's, http.client's
 }
 
 

@@ -20,9 +20,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options
+from elastic_train.rendezvous.etcd_v3.state_key import build_handler
 from elastic_train.rendezvous.forget import forget_nodes, rendezvous_node_id
-from elastic_train.rendezvous.handler import build_handler
-from elastic_train.rendezvous.options import EtcdV3Options
 from tests.memory_kv import MemoryKV
 
 RUN_ID = "forget-test"

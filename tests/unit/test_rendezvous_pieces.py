@@ -16,7 +16,6 @@ from elastic_train.events.log import EventLog, previous_incarnation, read_events
 from elastic_train.live.environment import RENDEZVOUS_SECONDS
 from elastic_train.observe.summary import summarize
 from elastic_train.rendezvous import timing
-from elastic_train.rendezvous.client import Endpoint, _reason
 from elastic_train.rendezvous.config import (
     LAST_CALL_TIMEOUT,
     RDZV_DEFAULTS,
@@ -25,10 +24,12 @@ from elastic_train.rendezvous.config import (
     rendezvous_endpoint,
     rendezvous_id,
 )
+from elastic_train.rendezvous.etcd_v3.client import Endpoint
+from elastic_train.rendezvous.etcd_v3.gateway import failure_reason
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options, parse_endpoint
+from elastic_train.rendezvous.etcd_v3.shared_lease import SharedLease
 from elastic_train.rendezvous.failures import rendezvous_failure_line
 from elastic_train.rendezvous.heartbeat import check_keep_alive, check_keep_alive_conf
-from elastic_train.rendezvous.lease import SharedLease
-from elastic_train.rendezvous.options import EtcdV3Options, parse_endpoint
 from elastic_train.worker.batching import plan_batch
 from elastic_train.worker.env import read_worker_env
 from tests.memory_kv import MemoryKV
@@ -141,11 +142,11 @@ def test_short_reasons_of_client_errors() -> None:
 
     refused = Fake("HTTPConnectionPool(host='h', port=1): Max retries exceeded with url: /v3/x "
                    "(Caused by NewConnectionError(\"...: [Errno 111] Connection refused\"))")
-    assert _reason(refused) == "[Errno 111] Connection refused"
+    assert failure_reason(refused) == "[Errno 111] Connection refused"
     etcd = Fake('{"error":"etcdserver: user name is empty","message":"etcdserver: user name '
                 'is empty","code":3}')
-    assert _reason(etcd) == "etcdserver: user name is empty"
-    assert _reason(Fake("404 Not Found")) == "404 Not Found"
+    assert failure_reason(etcd) == "etcdserver: user name is empty"
+    assert failure_reason(Fake("404 Not Found")) == "404 Not Found"
 
 
 # --- etcd outages: bounded retries, the grace after an outage ------------------------------
@@ -163,8 +164,8 @@ class FakeTime:
 
 
 def test_an_unreachable_etcd_is_retried_until_connect_timeout() -> None:
-    from elastic_train.rendezvous.client import EtcdUnreachableError
-    from elastic_train.rendezvous.outage import retry_unreachable
+    from elastic_train.rendezvous.etcd_v3.kv import EtcdUnreachableError
+    from elastic_train.rendezvous.etcd_v3.outage import retry_unreachable
 
     fake, calls = FakeTime(), []
 
@@ -190,8 +191,8 @@ def test_an_unreachable_etcd_is_retried_until_connect_timeout() -> None:
 
 
 def test_no_node_is_judged_dead_for_one_timeout_after_an_outage() -> None:
-    from elastic_train.rendezvous.client import EtcdUnreachableError
-    from elastic_train.rendezvous.outage import Outage
+    from elastic_train.rendezvous.etcd_v3.kv import EtcdUnreachableError
+    from elastic_train.rendezvous.etcd_v3.outage import Outage
 
     fake = FakeTime()
     outage = Outage("http://h:1", grace_seconds=15, clock=fake.clock)
@@ -418,8 +419,8 @@ def test_a_node_dropped_from_its_round_asks_to_rejoin(monkeypatch: pytest.Monkey
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
-    from elastic_train.rendezvous.backend import encode_state
-    from elastic_train.rendezvous.handler import build_handler
+    from elastic_train.rendezvous.etcd_v3.state_backend import encode_state
+    from elastic_train.rendezvous.etcd_v3.state_key import build_handler
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     monkeypatch.setenv(RENDEZVOUS_SECONDS, "unset")

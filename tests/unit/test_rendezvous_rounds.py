@@ -1,4 +1,4 @@
-"""The rules of a rendezvous round apart from etcd (rendezvous/rounds.py): when a round
+"""The rules of a rendezvous round apart from etcd (rendezvous/etcd_v3/rounds.py): when a round
 closes, who is in it, in which rank order, and where its keys live."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
-from elastic_train.rendezvous.rounds import RoundKeys, RoundTally, World, rank_order
+from elastic_train.rendezvous.etcd_v3.rounds import RoundKeys, RoundTally, World, rank_order
 
 
 def test_a_round_closes_at_once_when_the_maximum_joined() -> None:

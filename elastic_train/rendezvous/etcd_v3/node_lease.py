@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from elastic_train.rendezvous.client import KV, EtcdUnreachableError
+from elastic_train.rendezvous.etcd_v3.kv import KV, EtcdUnreachableError
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastic_train.rendezvous.client import KV
-from elastic_train.rendezvous.lease import SharedLease
+from elastic_train.rendezvous.etcd_v3.kv import KV
+from elastic_train.rendezvous.etcd_v3.shared_lease import SharedLease
 
 BACKEND_NAME = "etcd-v3"
 

@@ -1,6 +1,6 @@
 """The ``etcd-v3`` rendezvous handler of ``design=state-key``: torch's
-``DynamicRendezvousHandler`` on etcd v3 (the default design, ``leases``, is
-lease_handler.py; ``create_handler`` picks).
+``DynamicRendezvousHandler`` on etcd v3 (the default design, ``leases``, is leases.py;
+create.py's ``create_handler`` picks).
 
 ``build_handler`` composes it from a ``KV`` (a real etcd or a fake): the backend holds the
 rendezvous state, the store serves the agents, one lease expires both. The handler is
@@ -24,9 +24,7 @@ import time
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import (
-    RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -36,12 +34,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_train.live.environment import set_rendezvous_seconds
-from elastic_train.rendezvous.backend import EtcdV3RendezvousBackend
-from elastic_train.rendezvous.client import KV, EtcdKV, EtcdUnreachableError
-from elastic_train.rendezvous.lease import SharedLease
-from elastic_train.rendezvous.options import EtcdV3Options
-from elastic_train.rendezvous.outage import Outage, retry_unreachable
-from elastic_train.rendezvous.store import EtcdStore
+from elastic_train.rendezvous.etcd_v3.kv import KV, EtcdUnreachableError
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options
+from elastic_train.rendezvous.etcd_v3.outage import Outage, retry_unreachable
+from elastic_train.rendezvous.etcd_v3.shared_lease import SharedLease
+from elastic_train.rendezvous.etcd_v3.state_backend import EtcdV3RendezvousBackend
+from elastic_train.rendezvous.etcd_v3.store import EtcdStore
 from elastic_train.rendezvous.torch_seams import (
     JudgingStateHolder,
     new_node_descriptor,
@@ -103,11 +101,6 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         return waiting
 
 
-def connect(options: EtcdV3Options) -> EtcdKV:
-    """The etcd client the options describe (no request is made yet)."""
-    return EtcdKV(options.endpoint, options.credentials, options.request_timeout)
-
-
 def build_handler(kv: KV, options: EtcdV3Options, run_id: str, min_nodes: int,
                   max_nodes: int, local_addr: str | None = None) -> EtcdV3RendezvousHandler:
     """A rendezvous handler for ``run_id`` on ``kv`` (a real etcd or a fake)."""
@@ -132,16 +125,3 @@ def build_handler(kv: KV, options: EtcdV3Options, run_id: str, min_nodes: int,
     handler = EtcdV3RendezvousHandler(node, settings, backend.name, store, holder)
     handler._connect_timeout = options.connect_timeout
     return handler
-
-
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's creator for ``--rdzv-backend etcd-v3``: ``design=leases`` (the default,
-    lease_handler.py) or ``design=state-key`` (this module)."""
-    options = EtcdV3Options.parse(params.endpoint, params.config)
-    if options.design == "leases":
-        from elastic_train.rendezvous.lease_handler import LeaseRendezvousHandler
-
-        return LeaseRendezvousHandler(connect(options), options, params.run_id,
-                                      params.min_nodes, params.max_nodes, params.local_addr)
-    return build_handler(connect(options), options, params.run_id, params.min_nodes,
-                         params.max_nodes, params.local_addr)

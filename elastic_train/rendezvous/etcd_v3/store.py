@@ -18,9 +18,9 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from elastic_train.rendezvous.client import KV, KeyValue
-from elastic_train.rendezvous.lease import SharedLease
-from elastic_train.rendezvous.outage import retry_unreachable
+from elastic_train.rendezvous.etcd_v3.kv import KV, KeyValue
+from elastic_train.rendezvous.etcd_v3.outage import retry_unreachable
+from elastic_train.rendezvous.etcd_v3.shared_lease import SharedLease
 
 T = TypeVar("T")
 

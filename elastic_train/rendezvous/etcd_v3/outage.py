@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from elastic_train.rendezvous.client import EtcdUnreachableError
+from elastic_train.rendezvous.etcd_v3.kv import EtcdUnreachableError
 
 log = logging.getLogger(__name__)
 

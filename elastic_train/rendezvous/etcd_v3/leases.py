@@ -56,8 +56,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_train.errors import RoundMemberLostError
 from elastic_train.live.environment import set_rendezvous_seconds
-from elastic_train.rendezvous.backend import BACKEND_NAME
-from elastic_train.rendezvous.client import (
+from elastic_train.rendezvous.etcd_v3.kv import (
     KV,
     EtcdUnreachableError,
     KeyValue,
@@ -65,12 +64,13 @@ from elastic_train.rendezvous.client import (
     Watch,
     WatchCompacted,
 )
-from elastic_train.rendezvous.lease import SharedLease
-from elastic_train.rendezvous.node_lease import NodeLease
-from elastic_train.rendezvous.options import EtcdV3Options
-from elastic_train.rendezvous.outage import Outage, retry_unreachable
-from elastic_train.rendezvous.rounds import RoundKeys, RoundTally, World
-from elastic_train.rendezvous.store import EtcdStore
+from elastic_train.rendezvous.etcd_v3.node_lease import NodeLease
+from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options
+from elastic_train.rendezvous.etcd_v3.outage import Outage, retry_unreachable
+from elastic_train.rendezvous.etcd_v3.rounds import RoundKeys, RoundTally, World
+from elastic_train.rendezvous.etcd_v3.shared_lease import SharedLease
+from elastic_train.rendezvous.etcd_v3.state_backend import BACKEND_NAME
+from elastic_train.rendezvous.etcd_v3.store import EtcdStore
 
 log = logging.getLogger(__name__)
 

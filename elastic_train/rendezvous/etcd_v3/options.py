@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_train.errors import RendezvousConfigError
-from elastic_train.rendezvous.client import Credentials, Endpoint
 from elastic_train.rendezvous.config import LAST_CALL_TIMEOUT
+from elastic_train.rendezvous.etcd_v3.client import Credentials, Endpoint
 from elastic_train.rendezvous.heartbeat import (
     KEEP_ALIVE_INTERVAL,
     KEEP_ALIVE_MAX_ATTEMPT,

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from elastic_train.rendezvous.client import KV, LeaseNotFound
+from elastic_train.rendezvous.etcd_v3.kv import KV, LeaseNotFound
 
 T = TypeVar("T")
 
