@@ -4,7 +4,8 @@ An HTTP server (stdlib ``ThreadingHTTPServer``, one thread per request) that kee
 newest snapshot of the run in this agent's memory, as opaque bytes and a JSON manifest:
 nothing is ever unpickled here. The agent outlives its workers, so when every worker dies
 (the restart path) the next incarnation restores from here instead of the run directory.
-The protocol is live/memory_tier.py's; the workers' client is worker/memory_tier.py.
+The protocol is live/memory_tier.py's; the workers' client is worker/memory_tier.py; the
+HTTP side (requests to answers) is agent/holder_http.py.
 
 - **Bounded memory**: one snapshot per run, the newest by ``(writer_epoch, step)`` (an
   older one is refused, 409; the newest of the previous writer epoch is not kept), so a
@@ -36,33 +37,25 @@ The protocol is live/memory_tier.py's; the workers' client is worker/memory_tier
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
-import json
 import logging
 import secrets
 import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from elastic_train.agent.write_behind import PayloadUploads, UploadFailed
+from elastic_train.agent.holder_http import IO_SECONDS, HolderServer
+from elastic_train.agent.write_behind import PayloadUploads
 from elastic_train.errors import ElasticTrainError
 from elastic_train.live.environment import MEMORY_TIER, set_for_workers
 from elastic_train.live.memory_tier import (
-    AUTHORIZATION,
     BEARER,
     MANIFEST_HEADER,
-    MAX_MANIFEST_BYTES,
-    NEWEST_PATH,
-    PAYLOAD_PATH,
     REPLICA_HEADER,
     SNAPSHOT_PATH,
-    UPLOAD_PATH,
     Endpoint,
     HolderEntry,
     Response,
@@ -78,7 +71,6 @@ from elastic_train.live.memory_tier import (
     same_snapshot,
     snapshot_key,
 )
-from elastic_train.thread_priority import lower_thread_priority
 
 __all__ = ["DEFAULT_MAX_BYTES", "SnapshotHolder", "held_for_workers", "holder_address",
            "parse_size"]
@@ -89,15 +81,12 @@ DEFAULT_MAX_BYTES = 16 * 1024 ** 3
 """The largest payload a holder takes by default (``--memory-tier-limit``)."""
 CONNECT_SECONDS = 1.0
 """How long a peer holder may take to accept a connection."""
-IO_SECONDS = 10.0
-"""How long one read or write to a peer (or from a client) may take."""
 NEWEST_SECONDS = 2.0
 """How long a peer may take to say what it holds (``GET NEWEST_PATH``)."""
 PEER_DOWN_SECONDS = 5.0
 """How long a peer that failed a call is skipped."""
 REPLICA_TRIES = 2
 """Peers tried in turn for the second copy."""
-CHUNK = 1 << 20
 KEPT_PER_PART = 2
 """Snapshots kept of each part of a sharded checkpoint (the newest, and the one before)."""
 
@@ -143,16 +132,6 @@ class _Held:
     payload: bytearray  # never changed once held
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = False
-
-    def __init__(self, address: tuple[str, int], holder: SnapshotHolder) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.holder = holder
-        super().__init__(address, _Handler)
-
-
 class SnapshotHolder:
     """One agent's snapshot holder (see the module). ``start`` serves it, ``close`` stops
     it; ``set_peers`` tells it the other agents' holders."""
@@ -175,14 +154,14 @@ class SnapshotHolder:
         self._lock = threading.Lock()
         self._peers: list[HolderEntry] = []
         self._down_until: dict[str, float] = {}
-        self._server: _Server | None = None
+        self._server: HolderServer | None = None
         self._thread: threading.Thread | None = None
         self.url = ""
         """``http://HOST:PORT`` once started."""
 
     # ---- life ------------------------------------------------------------------------------
     def start(self) -> SnapshotHolder:
-        self._server = _Server((self.bind_host, 0), self)
+        self._server = HolderServer((self.bind_host, 0), self)
         port = self._server.server_address[1]
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{port}"
@@ -393,225 +372,6 @@ def _error_of(answer: Response) -> str:
         return str(answer.json().get("error", ""))
     except (ValueError, AttributeError):
         return answer.body[:200].decode(errors="replace")
-
-
-def _wanted(query: Mapping[str, str]) -> dict[str, Any] | None:
-    """The snapshot a query names (``payload_query``); None when it names none."""
-    try:
-        wanted: dict[str, Any] = {"run_id": query["run_id"],
-                                  "writer_epoch": int(query["writer_epoch"]),
-                                  "step": int(query["step"]), "sha256": query["sha256"]}
-        if "part" in query:
-            wanted["part"] = int(query["part"])
-        return wanted
-    except (KeyError, ValueError):
-        return None
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "elastic-train-memory-tier"
-    protocol_version = "HTTP/1.0"
-    timeout = IO_SECONDS
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("memory tier: %s %s", self.address_string(), format % args)
-
-    # ---- answers ---------------------------------------------------------------------------
-    def _answer(self, status: int, payload: Mapping[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _refuse(self, status: int, line: str, body_left: int = 0) -> None:
-        """Answer ``status`` with ``line``; a body of at most the limit is read and dropped
-        first, so the client reads the answer rather than a reset connection."""
-        if 0 < body_left <= self.server.holder.max_bytes:
-            self._drain(body_left)
-        self._answer(status, {"error": line})
-
-    def _drain(self, left: int) -> None:
-        while left > 0:
-            chunk = self.rfile.read(min(CHUNK, left))
-            if not chunk:
-                return
-            left -= len(chunk)
-
-    def _query(self) -> tuple[str, dict[str, str]]:
-        parsed = urllib.parse.urlsplit(self.path)
-        return parsed.path, dict(urllib.parse.parse_qsl(parsed.query))
-
-    def _length(self) -> int:
-        try:
-            return max(0, int(self.headers.get("Content-Length", "")))
-        except ValueError:
-            return -1
-
-    # ---- requests --------------------------------------------------------------------------
-    def _admitted(self, method: str, expected: str) -> tuple[dict[str, str], int] | None:
-        """A write's (query, body length) when it carries the token and names
-        ``expected``; else None, refused (its body drained). Writes (a checkpoint's copy,
-        an upload) run at idle priority, like the checkpoint writer: never before training."""
-        lower_thread_priority()
-        path, query = self._query()
-        length = self._length()
-        if not self.server.holder.authorized(self.headers.get(AUTHORIZATION)):
-            self._refuse(401, "wrong or missing bearer token", length)
-            return None
-        if path != expected:
-            self._refuse(404, f"no {path} here ({method} {expected})", length)
-            return None
-        return query, length
-
-    def do_PUT(self) -> None:
-        holder = self.server.holder
-        admitted = self._admitted("PUT", SNAPSHOT_PATH)
-        if admitted is None:
-            return
-        _, length = admitted
-        raw = self.headers.get(MANIFEST_HEADER, "")
-        try:
-            if len(raw) > MAX_MANIFEST_BYTES:
-                raise ValueError(f"the manifest is over {MAX_MANIFEST_BYTES} bytes")
-            manifest = check_manifest(json.loads(raw or "null"))
-        except ValueError as exc:
-            self._refuse(400, f"{MANIFEST_HEADER}: {exc}", length)
-            return
-        if length != manifest["bytes"]:
-            self._refuse(400, f"Content-Length {length} is not the manifest's "
-                              f"{manifest['bytes']} bytes", length)
-            return
-        refused = holder.refusal(manifest)
-        if refused is not None:
-            self._refuse(*refused, length)
-            return
-        payload = bytearray(length)
-        view, got = memoryview(payload), 0
-        while got < length:
-            n = self.rfile.readinto(view[got:])
-            if not n:
-                break
-            got += n
-        if got != length:
-            self._answer(400, {"error": f"the body ended after {got} of {length} bytes"})
-            return
-        if hashlib.sha256(payload).hexdigest() != manifest["sha256"]:
-            self._answer(400, {"error": "the payload's sha256 is not the manifest's: "
-                                        "corrupt in transit or in the sender's memory"})
-            return
-        if not holder.keep(manifest, payload):
-            self._answer(409, {"error": "a newer snapshot arrived meanwhile"})
-            return
-        held_by = [holder.url]
-        if self.headers.get(REPLICA_HEADER) != "1":
-            held_by += holder.replicate(manifest, payload)
-        self._answer(200, {"copies": len(held_by), "held_by": held_by,
-                           "manifest": manifest})
-
-    def do_GET(self) -> None:
-        holder = self.server.holder
-        if not holder.authorized(self.headers.get(AUTHORIZATION)):
-            self._answer(401, {"error": "wrong or missing bearer token"})
-            return
-        path, query = self._query()
-        ask_peers = query.get("peers") == "1"
-        run_id = query.get("run_id", "")
-        if not run_id:
-            self._answer(400, {"error": "give run_id"})
-        elif path == NEWEST_PATH:
-            try:
-                part = int(query["part"]) if "part" in query else None
-            except ValueError:
-                self._answer(400, {"error": "part is not a number"})
-                return
-            manifest, held_by, kept = holder.newest(run_id, ask_peers, part)
-            self._answer(200, {"manifest": manifest, "held_by": held_by, "kept": kept})
-        elif path == PAYLOAD_PATH:
-            self._payload(query, ask_peers)
-        else:
-            self._answer(404, {"error": f"no {path} here"})
-
-    def do_POST(self) -> None:
-        holder = self.server.holder
-        admitted = self._admitted("POST", UPLOAD_PATH)
-        if admitted is None:
-            return
-        query, length = admitted
-        if not 0 < length <= MAX_MANIFEST_BYTES:
-            self._refuse(400, f"give a JSON body of at most {MAX_MANIFEST_BYTES} bytes", length)
-            return
-        wanted = _wanted(query)
-        try:
-            body = json.loads(self.rfile.read(length))
-            url, options = body["url"], body.get("storage") or {}
-            if wanted is None or not isinstance(url, str) or not isinstance(options, dict):
-                raise ValueError("give run_id, writer_epoch, step, sha256 and a body "
-                                 '{"url": "s3://...", "storage": {...}}')
-        except (ValueError, KeyError, TypeError) as exc:
-            self._answer(400, {"error": str(exc)})
-            return
-        payload = holder.local_payload(wanted)
-        if payload is None:
-            self._answer(404, {"error": f"step {wanted['step']} (writer epoch "
-                                        f"{wanted['writer_epoch']}) is not held here"})
-            return
-        try:
-            seconds = holder.uploads.upload(payload, url, options)
-        except ValueError as exc:
-            self._answer(400, {"error": str(exc)})
-            return
-        except UploadFailed as exc:
-            self._answer(502, {"error": str(exc), "kind": exc.kind})
-            return
-        self._answer(200, {"seconds": round(seconds, 6)})
-
-    def _payload(self, query: Mapping[str, str], ask_peers: bool) -> None:
-        holder = self.server.holder
-        wanted = _wanted(query)
-        if wanted is None:
-            self._answer(400, {"error": "give run_id, writer_epoch, step and sha256"})
-            return
-        local = holder.local_payload(wanted)
-        if local is not None:
-            self._send_bytes(local)
-            return
-        answer = holder.peer_payload(wanted) if ask_peers else None
-        if answer is None:
-            self._answer(404, {"error": f"no holder keeps step {wanted['step']} (writer "
-                                        f"epoch {wanted['writer_epoch']}) of this run"})
-            return
-        try:
-            self._relay(answer)
-        finally:
-            answer.close()
-
-    def _send_bytes(self, payload: bytearray) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        view = memoryview(payload)
-        for start in range(0, len(payload), CHUNK):
-            self.wfile.write(view[start:start + CHUNK])
-
-    def _relay(self, answer: Response) -> None:
-        """Send a peer's payload on as it arrives (never all of it in memory here)."""
-        assert answer.stream is not None
-        length = int(answer.headers.get("content-length", "0"))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(length))
-        self.end_headers()
-        left = length
-        while left > 0:
-            chunk = answer.stream.read(min(CHUNK, left))
-            if not chunk:  # the peer went away: the client sees a short body
-                return
-            self.wfile.write(chunk)
-            left -= len(chunk)
 
 
 
