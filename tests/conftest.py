@@ -1,11 +1,14 @@
 """Shared fixtures: real etcd servers and an S3 endpoint (moto's server), started once per
-session when a test asks for one; the multi-host test bed (tests/netbed.py); and the guard
-that keeps tests from finding the venv's programs on PATH (tests/tools.py)."""
+session when a test asks for one; the multi-host test bed (tests/netbed.py); the guard
+that keeps tests from finding the venv's programs on PATH (tests/tools.py); and a hard
+limit per test that ends the run even when a hang holds the GIL."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +41,43 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     for made in (_SHADOW_DIR, _VERDICTS_DIR):
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
+
+
+HARD_LIMIT_MARGIN = 120.0
+"""Seconds past a test's own timeout (pytest-timeout's, 300 s by default) after which the
+whole run ends: pytest-timeout's thread needs the GIL, and a hang in C code that holds it
+(twice in tests/unit on 2026-11-28, 15 minutes without a line, not reproduced in 5 runs
+since) starved it, so that CI would have waited its 90 minutes. faulthandler's watchdog is
+C: it prints every thread's stack and exits the process (code 1)."""
+HARD_LIMIT = "ELASTIC_TRAIN_TEST_HARD_LIMIT"
+"""Seconds, overriding the limit (for the test of the limit itself)."""
+
+
+def hard_limit(item: pytest.Item) -> float:
+    """When ``item``'s run is ended: its timeout plus ``HARD_LIMIT_MARGIN``."""
+    if os.environ.get(HARD_LIMIT):
+        return float(os.environ[HARD_LIMIT])
+    marker = item.get_closest_marker("timeout")
+    timeout = marker.args[0] if marker is not None and marker.args else \
+        float(item.config.getini("timeout") or 0) or 300.0
+    return float(timeout) + HARD_LIMIT_MARGIN
+
+
+_STDERR_COPY: int | None = None
+"""The run's own stderr, copied before any test captures fd 2: the stacks go there."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    global _STDERR_COPY
+    if _STDERR_COPY is None:
+        _STDERR_COPY = os.dup(sys.__stderr__.fileno())
+    limit = hard_limit(item)
+    faulthandler.dump_traceback_later(limit, exit=True, file=_STDERR_COPY)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")
