@@ -88,9 +88,10 @@ def test_the_soak_counts_the_recovery_paths_by_the_agents_own_lines(tmp_path: Pa
         "round closed) 2; ")
 
 
-def test_the_soak_names_the_kills_slower_than_its_bound_and_no_other() -> None:
-    """A campaign whose host or worker kill cost more than a second to the next step keeps
-    its logs (soak of 69b6e60: two such kills, not understood, their logs gone)."""
+def test_the_soak_names_the_faults_slower_than_their_bound_and_no_other() -> None:
+    """A campaign whose kill cost more than a second to the next step, or a silent fault
+    more than three, or a fault that loses no member more than one, keeps its logs (soak of
+    69b6e60: two slow host kills, not understood, their logs gone)."""
     soak = soak_module()
 
     def record(index: int, kind: str, next_step: float | None) -> Any:
@@ -98,7 +99,10 @@ def test_the_soak_names_the_kills_slower_than_its_bound_and_no_other() -> None:
                            next_step=next_step)
 
     records = [record(0, "host_kill", 0.3), record(1, "host_kill", 5.51),
-               record(2, "worker_kill", 1.2), record(3, "cable", 4.0),
-               record(4, "worker_kill", None)]
-    assert soak.slow_kills(records) == ["fault 1 host_kill node-b 5.51 s",
-                                        "fault 2 worker_kill node-b 1.20 s"]
+               record(2, "worker_kill", 1.2), record(3, "cable", 2.9),
+               record(4, "worker_kill", None), record(5, "freeze", 3.2),
+               record(6, "etcd_kill", 11.21), record(7, "disk_full", 0.1)]
+    assert soak.slow_faults(records) == ["fault 1 host_kill node-b 5.51 s",
+                                         "fault 2 worker_kill node-b 1.20 s",
+                                         "fault 5 freeze node-b 3.20 s",
+                                         "fault 6 etcd_kill node-b 11.21 s"]
