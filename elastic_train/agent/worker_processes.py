@@ -193,16 +193,19 @@ class PerWorkerProcesses:
         must reach them at once, and a second signal that interrupts this must not leave
         one running; a spare left behind exits once this agent's store is gone."""
         spare, self._spare = self._spare, None
-        for ctx in self._running.values():
-            ctx.close(death_sig, timeout)
-        self._running.clear()
-        if spare is not None:
-            self._dismiss(spare)
-            spare.close(death_sig, timeout)
+        try:
+            for ctx in self._running.values():
+                ctx.close(death_sig, timeout)
+            self._running.clear()
+        finally:  # whatever happened above, no spare outlives its agent
+            if spare is not None:
+                self._dismiss(spare)
+                spare.close(death_sig, timeout)
 
     def _dismiss(self, spare: PContext) -> None:
         """Tell an idle spare to exit (an empty place), and give it a moment: killed, it
-        would be logged by torch as a worker closed by a signal."""
+        would be logged by torch as a worker closed by a signal. The store not answering,
+        the caller closes it at once."""
         assert self._spare_store is not None
         try:
             assign(self._spare_store, spare.pids()[0], {})

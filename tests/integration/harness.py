@@ -231,7 +231,7 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _comm(pid: int) -> str:
+def process_name(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
@@ -273,7 +273,7 @@ def workers_of(agent_pid: int) -> dict[int, int]:
     """
     found = {}
     for pid in descendants(agent_pid):
-        name = _comm(pid)
+        name = process_name(pid)
         if name.startswith("et-rank-"):
             found[int(name.removeprefix("et-rank-"))] = pid
             continue
@@ -283,9 +283,26 @@ def workers_of(agent_pid: int) -> dict[int, int]:
     return found
 
 
+def processes_of_run(run_id: str) -> list[int]:
+    """The pids of live processes (zombies left out) of torch's run ``run_id``: workers and
+    spares carry ``TORCHELASTIC_RUN_ID`` in their environment, their agent does not."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and _environ(int(entry)).get("TORCHELASTIC_RUN_ID") == run_id:
+            found.append(int(entry))
+    return found
+
+
 def spare_of(agent_pid: int) -> int | None:
     """The pid of the agent's hot spare (a worker process named ``et-spare``), if one runs."""
-    spares = [pid for pid in descendants(agent_pid) if _comm(pid) == "et-spare"]
+    spares = [pid for pid in descendants(agent_pid) if process_name(pid) == "et-spare"]
     return spares[0] if spares else None
 
 

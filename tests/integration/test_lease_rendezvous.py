@@ -178,6 +178,58 @@ def test_a_waiting_node_is_seen_and_the_members_keep_their_ranks(kv: KV) -> None
     assert {m.world.round for m in members} == {1} and newcomer.world.round == 1
 
 
+def test_a_node_arriving_after_a_world_formed_waits_for_it_and_never_forms_a_second_world(
+        kv: KV) -> None:
+    """``--nnodes 1:2``: node 0 formed a world alone (round 0); node 1 arrives just after and
+    opens round 1. Its last call passing must not close round 1 with node 1 alone while
+    node 0's world runs: two worlds of one job trained at once (CI, stop 45: node 0's agent,
+    busy starting its workers, took longer than the 1 s last call to come). The round waits
+    for node 0 and closes with both, node 0 keeping rank 0."""
+    run_id = uuid.uuid4().hex
+    first = handler(kv, run_id, 1, 2, 0)
+    assert first.next_rendezvous().world_size == 1
+    late = handler(kv, run_id, 1, 2, 1)
+    joined: list[tuple[int, int]] = []
+    thread = threading.Thread(target=lambda: joined.append(
+        (lambda info: (info.rank, info.world_size))(late.next_rendezvous())), daemon=True)
+    thread.start()
+    wait_until(lambda: first.num_nodes_waiting() == 1, 10, "node 0 seeing the waiting node")
+    thread.join(4 * 0.5)                      # four last calls: the round stays open
+    assert thread.is_alive() and not joined, joined
+    assert kv.get(RoundKeys.of(PREFIX, run_id).world(1)) is None
+    info = first.next_rendezvous()
+    thread.join(TIMEOUT)
+    assert (info.rank, info.world_size) == (0, 2) and joined == [(1, 2)]
+
+
+def test_the_next_round_waits_for_no_member_the_world_left_out_or_whose_lease_expired(
+        etcd_v3: EtcdServer) -> None:
+    """Round 1 waits only for members of round 0 that are alive: one that live recovery
+    left out (``forget_nodes`` deletes its key, not waiting for its 30 s lease) and one
+    whose lease expired are not waited for; the round closes with the member that came and
+    the newcomer within a few last calls."""
+    from elastic_train.rendezvous.forget import forget_nodes
+
+    kv = real_kv(etcd_v3)
+    run_id = uuid.uuid4().hex
+    members = [handler(kv, run_id, 3, 3, i, lease_ttl=30) for i in range(3)]
+    run_threads(lambda i: members[i].next_rendezvous(), 3)
+    staying, left_out, expired = members
+    keys = RoundKeys.of(PREFIX, run_id)
+    assert forget_nodes(staying, [left_out.node], coordinator=False) == [left_out.node]
+    wait_until(lambda: kv.get(keys.node(0, left_out.node)) is None, 10,
+               "the left-out member's key deleted")
+    kv.revoke_lease(expired._lease.id)       # as etcd does once it stops renewing
+    for member in members:
+        member._min_nodes = 1                 # as a job of --nnodes 1:3 would
+    newcomer = handler(kv, run_id, 1, 3, 3)
+    began = time.monotonic()
+    worlds = run_threads(lambda i: (newcomer if i else staying).next_rendezvous().world_size,
+                         2)
+    assert worlds == [2, 2] and time.monotonic() - began < 10
+    assert left_out._lease.id and kv.get(keys.node(0, left_out.node)) is None
+
+
 def test_a_dead_member_is_seen_by_its_lease_and_cannot_rewrite_the_round(
         etcd_v3: EtcdServer) -> None:
     kv = real_kv(etcd_v3)

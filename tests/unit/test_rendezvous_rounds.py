@@ -38,6 +38,26 @@ def test_a_node_leaving_below_the_minimum_cancels_the_last_call() -> None:
     assert tally.wake_at() == 25.0
 
 
+def test_a_round_waits_for_the_previous_worlds_members_alive_whatever_its_last_call() -> None:
+    tally = RoundTally(1, 3, last_call=1.0)
+    tally.expect({"a", "b"})                  # the world of the round before runs
+    tally.joined("new", 10, now=0.0)
+    assert not tally.due(5.0) and tally.wake_at() is None
+    assert tally.due_but_for_the_previous_world(5.0)
+    tally.joined("a", 11, now=6.0)
+    assert tally.awaited() == {"b"} and not tally.due(7.0)
+    tally.previous_gone("b")                  # its lease expired, or the world left it out
+    assert tally.due(7.0)
+
+
+def test_the_maximum_closes_a_round_even_while_a_previous_member_is_awaited() -> None:
+    tally = RoundTally(1, 2, last_call=1.0)
+    tally.expect({"a", "b"})
+    tally.joined("new", 10, now=0.0)
+    tally.joined("a", 11, now=0.0)
+    assert tally.due(0.0)
+
+
 def test_ranks_are_stable_across_rounds_and_newcomers_follow_in_join_order() -> None:
     joined = {"new-2": 40, "b": 31, "new-1": 33, "a": 30}
     assert rank_order(joined) == ("a", "b", "new-1", "new-2")

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -198,15 +199,29 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     def forget_nodes(self, nodes: set[str]) -> list[str]:
         """Live recovery re-formed the world without ``nodes`` (rendezvous/forget.py): their
-        leases expiring later is no news. Local to this agent: every agent of the world
-        calls it for the members its plan lost, and nothing is written to etcd (a key on a
-        lease goes with the lease)."""
+        leases expiring later is no news. Every agent of the world calls it for the members
+        its plan lost; their keys in the round are deleted (in the background, best effort:
+        a live recovery never waits for etcd), so that a next round, which waits for the
+        members of this one that are alive (rounds.py), does not wait for their leases to
+        expire. A node left out that is alive after all joins that round as any other."""
         members = set(self.world.members) if self.world is not None else set()
         found = sorted((nodes & members) - {self.node})
         self._forgotten.update(found)
         for node in found:
             self._lost.pop(node, None)
+        if found and self.world is not None:
+            keys = [self.keys.node(self.world.round, node) for node in found]
+            threading.Thread(target=self._delete_quietly, args=(keys,), daemon=True,
+                             name="etcd-v3-forget").start()
         return found
+
+    def _delete_quietly(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self._kv.delete(key)
+            except Exception as exc:  # etcd away: the lease's expiry removes it later
+                log.debug("could not delete %s: %s", key, exc)
+                return
 
     def num_nodes_waiting(self) -> int:
         """Whether the world must re-form, as torch's agent reads it (> 0): 1 when a node
@@ -351,15 +366,27 @@ class LeaseRendezvousHandler(RendezvousHandler):
             before = self._kv.get(self.keys.world(number - 1))
             if before is not None:
                 previous = World.decode(before.value, self.keys.world(number - 1)).members
-        nodes = self.keys.nodes(number)
+        nodes, old = self.keys.nodes(number), self.keys.nodes(max(0, number - 1))
         kvs, revision = self._kv.range_prefix(nodes)
         now = time.monotonic()
         for kv in kvs:
             tally.joined(kv.key[len(nodes):], kv.create_revision, now)
-        watch = self._kv.watch_prefix(nodes, revision + 1)
+        if previous:  # its world runs while a member is alive: a second world must not
+            old_kvs, old_revision = self._kv.range_prefix(old)
+            tally.expect({kv.key[len(old):] for kv in old_kvs} & set(previous) - {self.node})
+            revision = min(revision, old_revision)
+        watch = self._kv.watch_prefix(self.keys.rounds, revision + 1)
+        said = False
         try:
             while not tally.due(time.monotonic()):
                 self._check_deadline(number, deadline)
+                if not said and tally.awaited() and tally.due_but_for_the_previous_world(
+                        time.monotonic()):
+                    said = True
+                    log.info("round %d of rendezvous %s waits for %s of round %d, alive: "
+                             "its world runs, and they join this round when they see it",
+                             number, self._run_id, ", ".join(sorted(tally.awaited())),
+                             number - 1)
                 wake = tally.wake_at()
                 timeout = _POLL if wake is None else max(0.0, min(_POLL, wake - time.monotonic()))
                 try:
@@ -369,11 +396,14 @@ class LeaseRendezvousHandler(RendezvousHandler):
                     return self._coordinate(number, deadline)
                 now = time.monotonic()
                 for event in events:
-                    node = event.key[len(nodes):]
-                    if event.kind == "put":
-                        tally.joined(node, event.create_revision, now)
-                    else:
-                        tally.left(node, now)
+                    if event.key.startswith(nodes):
+                        node = event.key[len(nodes):]
+                        if event.kind == "put":
+                            tally.joined(node, event.create_revision, now)
+                        else:
+                            tally.left(node, now)
+                    elif previous and event.key.startswith(old) and event.kind == "delete":
+                        tally.previous_gone(event.key[len(old):])
         finally:
             watch.cancel()
         world = World(number, tally.close(previous))

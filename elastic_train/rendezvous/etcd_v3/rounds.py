@@ -11,8 +11,12 @@ Keys of a job, under ``<key_prefix>/<run_id>/``::
     store/...                       the c10d store the agents share (store.py)
 
 A round closes when it has ``max_nodes`` members, or when it has had at least
-``min_nodes`` for ``last_call`` seconds (torch's rule). Ranks are stable: the members of
-the previous round keep their order, newcomers follow in the order they joined.
+``min_nodes`` for ``last_call`` seconds (torch's rule), and never while a member of the
+previous round's world is alive (its key there on its lease) and not in this one: that
+world runs, its members come to this round when they see it open, and a round closed
+without them would be a second world of the same job (torch's rendezvous too keeps a late
+node waiting until the participants come). Ranks are stable: the members of the previous
+round keep their order, newcomers follow in the order they joined.
 """
 
 from __future__ import annotations
@@ -123,6 +127,22 @@ class RoundTally:
         self.last_call = last_call
         self.members: dict[str, int] = {}  # node -> the revision it joined at
         self._min_since: float | None = None
+        self._expected: set[str] = set()
+        """Members of the previous round's world still alive there (``expect``)."""
+
+    def expect(self, alive: set[str]) -> None:
+        """The previous round's world members that are still alive: the round waits for
+        each of them to join, or to be gone (``previous_gone``), before it closes."""
+        self._expected = set(alive)
+
+    def previous_gone(self, node: str) -> None:
+        """A member of the previous round's world is gone (its key there deleted: it left,
+        its lease expired, or the world re-formed without it and said so)."""
+        self._expected.discard(node)
+
+    def awaited(self) -> set[str]:
+        """Members of the previous world, alive, that this round still waits for."""
+        return self._expected - set(self.members)
 
     def joined(self, node: str, revision: int, now: float) -> None:
         self.members.setdefault(node, revision)
@@ -142,11 +162,20 @@ class RoundTally:
         """Whether the round closes now."""
         if len(self.members) >= self.max_nodes:
             return True
+        return not self.awaited() and self.due_but_for_the_previous_world(now)
+
+    def due_but_for_the_previous_world(self, now: float) -> bool:
+        """Whether torch's rule alone says close (``max`` nodes, or ``min`` for last call)."""
+        if len(self.members) >= self.max_nodes:
+            return True
         return self._min_since is not None and now - self._min_since >= self.last_call
 
     def wake_at(self) -> float | None:
-        """When ``due`` turns true by time alone (None: only a join can make it)."""
-        return None if self._min_since is None else self._min_since + self.last_call
+        """When ``due`` turns true by time alone (None: only a join, or a member of the
+        previous world gone, can make it)."""
+        if self._min_since is None or self.awaited():
+            return None
+        return self._min_since + self.last_call
 
     def close(self, previous: Sequence[str] = ()) -> tuple[str, ...]:
         """The members in rank order, at most ``max_nodes`` (the earliest joiners)."""
