@@ -163,6 +163,33 @@ def test_a_failed_worker_s_place_goes_to_the_hot_spare_then_a_new_spare_is_due(
     assert stops == [("closed", 100), ("closed", spare), ("waited", 103), ("closed", 103)]
 
 
+def test_the_spare_is_closed_even_when_its_dismissal_or_a_workers_close_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No spare outlives its agent: one left behind exits only once the agent's store is
+    gone, and says so after the agent's last line (a C++ trace of its store wait)."""
+    monkeypatch.setenv(SPARE_DELAY, "0")
+
+    class Gone(dist.HashStore):
+        def set(self, key: str, value: Any) -> None:
+            raise RuntimeError("the store is gone")
+
+    workers, started = _workers(1, Gone())
+    workers.start_spare()
+    workers.close()
+    assert started[1].closed                    # not dismissed (no store), closed all the same
+
+    workers, started = _workers(1, dist.HashStore())
+    workers.start_spare()
+
+    def broken(death_sig: Any = None, timeout: int = 30) -> None:
+        raise KeyboardInterrupt  # a second signal cutting the workers' close short
+
+    started[0].close = broken  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        workers.close()
+    assert started[1].closed
+
+
 def test_without_a_live_spare_a_replacement_is_forked_and_spares_that_end_are_limited(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SPARE_DELAY, "0")
