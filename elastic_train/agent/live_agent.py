@@ -320,8 +320,6 @@ class LiveRecoveryAgent(TorchAgent):
     # ---- re-forming within a round ----------------------------------------------------------
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._loop_at = time.monotonic()
-        if self._holders is not None:
-            self._holders.refresh()
         woken = self._wake.wait(self._interval)  # what woke it is read below (keys stay set)
         workers = self.process_context
         if not isinstance(workers, PerWorkerProcesses) or self._plan is None:

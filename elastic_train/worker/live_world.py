@@ -105,7 +105,8 @@ class LiveWorld:
         announcement = self._announcement(max(self.latest(wait=True), self.generation))
         self._take(announcement)
         self.arriving = announcement.plan.kind == LIVE
-        self._group_stores: dict[tuple[str, str], dist.Store] = {}
+        self._group_stores: dict[tuple[str, int, str], dist.Store] = {}
+        self._group_stores_lock = threading.Lock()
         self._pending: Plan | None = None
         self._seen = self.generation
         self.reform_due = False
@@ -224,12 +225,21 @@ class LiveWorld:
     # ---- re-forming -------------------------------------------------------------------------
     def _generation_store(self, plan: Plan, private: bool = False) -> dist.Store:
         """The store generation ``plan`` forms in: its coordinator's, under its own prefix
-        (``private``: a client of the watcher thread's own)."""
-        key = (plan.group_store, "watch" if private else "main")
-        client = self._group_stores.get(key)
-        if client is None:
-            client = _store_client(plan.group_store, timedelta(seconds=JOIN_CONNECT_SECONDS))
-            self._group_stores[key] = client
+        (``private``: a client of the watcher thread's own). A connection of its own per
+        generation: one kept from an older generation may have lived through a network
+        fault to that agent, and TCP's retransmission backoff then held every request on it
+        for about 10 s after the fault healed (the fault campaign, etcd-v3 seeds 572 and 582:
+        a node's join after its one-way loss cost 11-12 s, the survivors' ``add`` waiting)."""
+        use = "watch" if private else "main"
+        key = (plan.group_store, plan.generation, use)
+        with self._group_stores_lock:
+            client = self._group_stores.get(key)
+            if client is None:
+                for old in [k for k in self._group_stores if k[2] == use]:
+                    del self._group_stores[old]  # closed once the last reference goes
+                client = _store_client(plan.group_store,
+                                       timedelta(seconds=JOIN_CONNECT_SECONDS))
+                self._group_stores[key] = client
         return dist.PrefixStore(f"elastic_train/{self._base_env.run_id}/gen-{plan.generation}",
                                 client)
 

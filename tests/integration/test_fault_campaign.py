@@ -36,7 +36,7 @@ from tests.chaos.campaign import (
     Setup,
 )
 from tests.chaos.disk import small_disk
-from tests.chaos.schedule import Fault, Schedule, make_schedule
+from tests.chaos.schedule import KINDS, Fault, Schedule, make_schedule
 from tests.integration import harness
 
 pytestmark = pytest.mark.slow
@@ -330,6 +330,25 @@ def test_replay_a_worker_kill_on_a_node_with_its_live_restarts_spent_ends_nothin
     world 1 from its checkpoint (the campaign now counts a shrink below the world without
     that node as a violation)."""
     replay(netbed, tmp_path, "chaos-etcd-v3-builtin-ddp-2026-11-28-69b6e60", 561, Setup())
+
+
+@pytest.mark.extended
+def test_replay_a_join_after_a_one_way_loss_waits_for_no_tcp_backoff(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by the soak of e7c6599 (etcd-v3 seeds 572 and 582, the same cause): node B
+    left out by a one-way loss of 14 s rejoined as its round's rank 0, so the next
+    generation formed in its agent's store; the survivors' workers kept their connection to
+    that store from an earlier generation, on which TCP's retransmission backoff after the
+    loss held their ``add`` about 10 s: the join, and the next fault (a full disk here)
+    cost 11.7-12.0 s to the next step, 0.08 s on a connection per generation."""
+    setup = Setup()
+    schedule = make_schedule(572, 7, setup.names, list(KINDS), nproc=setup.nproc)
+    assert (schedule.faults[5].kind, schedule.faults[6].kind) == ("one_way", "disk_full")
+    run = campaign(netbed, tmp_path, setup, schedule, disk=True)
+    show(run)
+    assert_clean(run)
+    last = run.records[-1]
+    assert last.next_step is not None and last.next_step < 3.0, last
 
 
 @pytest.mark.extended

@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -235,15 +237,45 @@ def test_a_payload_over_the_limit_is_refused() -> None:
 def test_the_agents_find_each_others_holders_in_the_rounds_store(holders) -> None:
     a, b = holders
     store = MemoryStore()
-    first, second = HolderDirectory(a), HolderDirectory(b)
+    first, second = HolderDirectory(a, look_every=0.01), HolderDirectory(b, look_every=0.01)
     first.publish(store, 0, 3)  # rank 2 never shows (an agent that died at once)
-    assert a.peers == []
+    assert a.peers == []                                       # its own copy only, until found
     second.publish(store, 1, 3)
-    assert [p.url for p in b.peers] == [a.url]
-    first.refresh()
-    assert [p.url for p in a.peers] == [b.url]
+    within(lambda: [p.url for p in b.peers] == [a.url], "b finding a")
+    within(lambda: [p.url for p in a.peers] == [b.url], "a finding b")
     assert json.loads(store.get(HOLDER_KEY.format(rank=1)))["url"] == b.url
+    assert not first.settled()                                 # rank 2 is still looked for
     assert client(a).offer(*snapshot(5)) == 2
+
+
+def test_a_store_that_does_not_answer_never_holds_the_agents_loop(holders) -> None:
+    """On etcd-v3 the round's store is etcd: down, each request waits its retry (10 s).
+    Publishing returns at once; the lookups wait in the directory's thread."""
+    a, _ = holders
+    answer = threading.Event()
+
+    class Down(MemoryStore):
+        def set(self, key: str, value: str | bytes) -> None:
+            answer.wait(10)
+            super().set(key, value)
+
+    store = Down()
+    directory = HolderDirectory(a, look_every=0.01)
+    began = time.monotonic()
+    directory.publish(store, 0, 2)
+    assert time.monotonic() - began < 0.5 and not directory.settled()
+    answer.set()                                              # etcd is back
+    MemoryStore.set(store, HOLDER_KEY.format(rank=1), HolderEntry("http://b", "t", "b", 1)
+                    .to_json())
+    within(directory.settled, "the directory settling once the store answers")
+    assert [p.url for p in a.peers] == ["http://b"]
+
+
+def within(condition: Any, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.01)
 
 
 def test_a_store_that_cannot_list_leaves_one_copy(holders, caplog) -> None:
@@ -254,7 +286,9 @@ def test_a_store_that_cannot_list_leaves_one_copy(holders, caplog) -> None:
             raise RuntimeError("no such store")
 
     a.set_peers([])
-    HolderDirectory(a).publish(Broken(), 0, 2)
+    directory = HolderDirectory(a)
+    directory.publish(Broken(), 0, 2)
+    within(directory.settled, "the directory giving up")
     assert "keeps its one copy" in caplog.text
     assert client(a).offer(*snapshot(5)) == 1
 
