@@ -24,7 +24,11 @@ HTTP side (requests to answers) is agent/holder_http.py.
   (agent/holder_directory.py).
 - **Bounded waits**: a peer is called with a 1 s connect timeout (a host that is gone costs
   that, a dead agent refuses at once) and is skipped for ``PEER_DOWN_SECONDS`` after a
-  failure; reads and writes time out after ``IO_SECONDS`` each.
+  failure, ``PEER_SILENT_SECONDS`` after one that did not answer (a frozen agent: its
+  kernel accepts); reads and writes time out after ``IO_SECONDS`` each, and a copy's
+  answer within ``replica_answer_seconds`` (what a peer needs to check the bytes). The
+  worker waits for the copy, and the next save for the worker: a frozen peer cost a
+  training loop 9.8 s of a 10 s wait, then again 5 s later (CI, stop 45).
 - **Every request carries the holder's bearer token** (random per holder,
   ``secrets.token_urlsafe``); a wrong one is refused (401) and nothing is kept.
 - It listens on the address the agent uses for the job (``holder_address``), on a port
@@ -85,6 +89,18 @@ NEWEST_SECONDS = 2.0
 """How long a peer may take to say what it holds (``GET NEWEST_PATH``)."""
 PEER_DOWN_SECONDS = 5.0
 """How long a peer that failed a call is skipped."""
+PEER_SILENT_SECONDS = 30.0
+"""How long a peer that did not answer in time is skipped: frozen or cut off, it is left
+out of the world meanwhile, and a thawed one is copied to again once this is over."""
+REPLICA_ANSWER_SECONDS = 3.0
+"""What a copy's answer may take beyond the time to check its bytes (``VERIFY_RATE``)."""
+VERIFY_RATE = 200e6
+"""Bytes per second a peer checks a copy at (sha256, well below a core's speed)."""
+
+
+def replica_answer_seconds(size: int) -> float:
+    """How long one read or write of a copy of ``size`` bytes may wait on a peer."""
+    return REPLICA_ANSWER_SECONDS + size / VERIFY_RATE
 REPLICA_TRIES = 2
 """Peers tried in turn for the second copy."""
 KEPT_PER_PART = 2
@@ -269,9 +285,10 @@ class SnapshotHolder:
                 answer = call(Endpoint(peer.url, peer.token), "PUT", SNAPSHOT_PATH, payload,
                               {MANIFEST_HEADER: encode_manifest(manifest), REPLICA_HEADER: "1",
                                "Content-Type": "application/octet-stream"},
-                              connect_seconds=CONNECT_SECONDS, io_seconds=IO_SECONDS)
+                              connect_seconds=CONNECT_SECONDS,
+                              io_seconds=replica_answer_seconds(len(payload)))
             except OSError as exc:
-                self._mark_down(peer.url)
+                self._mark_down(peer.url, silent=isinstance(exc, TimeoutError))
                 log.warning("memory tier: the holder at %s (%s) did not take a copy of step "
                             "%s: %s", peer.url, peer.host, manifest["step"], exc)
                 continue
@@ -318,8 +335,8 @@ class SnapshotHolder:
                               payload_query(wanted, peers=False),
                               connect_seconds=CONNECT_SECONDS, io_seconds=IO_SECONDS,
                               stream=True)
-            except OSError:
-                self._mark_down(peer.url)
+            except OSError as exc:
+                self._mark_down(peer.url, silent=isinstance(exc, TimeoutError))
                 continue
             if answer.status == 200:
                 return answer
@@ -331,9 +348,10 @@ class SnapshotHolder:
         with self._lock:
             return [p for p in self._peers if self._down_until.get(p.url, 0.0) <= now]
 
-    def _mark_down(self, url: str) -> None:
+    def _mark_down(self, url: str, silent: bool = False) -> None:
+        skip = PEER_SILENT_SECONDS if silent else PEER_DOWN_SECONDS
         with self._lock:
-            self._down_until[url] = time.monotonic() + PEER_DOWN_SECONDS
+            self._down_until[url] = time.monotonic() + skip
 
     def _ask_peers(self, run_id: str, part: int | None
                    ) -> list[tuple[str, dict[str, Any] | None, list[dict[str, Any]]]]:

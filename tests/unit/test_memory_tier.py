@@ -208,18 +208,23 @@ def test_a_killed_peer_leaves_one_copy_answered_at_once(holders) -> None:
     assert worker.held_by == [a.url]
 
 
-def test_a_frozen_peer_costs_a_bounded_wait(holders, monkeypatch) -> None:
-    """A peer whose host accepts connections but never answers (a frozen agent)."""
+def test_a_frozen_peer_costs_a_bounded_wait(holders) -> None:
+    """A peer whose host accepts connections but never answers (a frozen agent): a copy
+    waits what a peer needs to check its bytes (about 3 s for a small one), not the 10 s
+    of any read, and the peer is skipped for the next saves (a training loop whose save
+    waits on the copy lost 9.8 s to it, then again 5 s later: CI, stop 45)."""
     a, _ = holders
-    monkeypatch.setattr(snapshot_holder, "IO_SECONDS", 0.5)
-    monkeypatch.setattr(snapshot_holder, "NEWEST_SECONDS", 0.5)
     with socket.create_server(("127.0.0.1", 0), backlog=8) as frozen:
         url = f"http://127.0.0.1:{frozen.getsockname()[1]}"
         a.set_peers([HolderEntry(url, "t", "host-c", 1)])
         started = time.monotonic()
         assert client(a).offer(*snapshot(5, size=1024)) == 1
+        first = time.monotonic() - started
         assert client(a).newest() == snapshot(5, size=1024)[0]  # skipped: it failed just now
-        assert time.monotonic() - started < 3.0
+        assert client(a).offer(*snapshot(6, size=1024)) == 1
+        assert first < 4.0 and time.monotonic() - started - first < 0.5
+    assert snapshot_holder.PEER_SILENT_SECONDS > snapshot_holder.PEER_DOWN_SECONDS
+    assert snapshot_holder.replica_answer_seconds(10 * 10**9) > 50  # a big one is checked
 
 
 def test_a_payload_over_the_limit_is_refused() -> None:
