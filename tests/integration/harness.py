@@ -283,21 +283,47 @@ def workers_of(agent_pid: int) -> dict[int, int]:
     return found
 
 
-def processes_of_run(run_id: str) -> list[int]:
-    """The pids of live processes (zombies left out) of torch's run ``run_id``: workers and
-    spares carry ``TORCHELASTIC_RUN_ID`` in their environment, their agent does not."""
-    found = []
+def _is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker: it ends on its own once its parent's end of its
+    pipe closes, a moment after the parent, and says nothing."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def live_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (R, S, D, T, ...), None when it is gone or a
+    zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    return None if state in ("Z", "X") else state
+
+
+def outliving(before: dict[int, str]) -> list[tuple[int, str]]:
+    """Of an agent's descendants ``before`` ({pid: name}, taken while it ran), those still
+    alive under the same name, and any orphaned worker or spare of ours (named ``et-``,
+    parent 1: its agent and forkserver are gone). Workers forked from a forkserver carry
+    no torch variable in /proc/PID/environ (set after the fork), so names it is."""
+    left = [(pid, name) for pid, name in before.items()
+            if live_state(pid) is not None and process_name(pid) == name
+            and not _is_resource_tracker(pid)]
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) in before:
             continue
+        pid = int(entry)
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
-        if state != "Z" and _environ(int(entry)).get("TORCHELASTIC_RUN_ID") == run_id:
-            found.append(int(entry))
-    return found
+        if ppid == 1 and process_name(pid).startswith("et-") and live_state(pid):
+            left.append((pid, process_name(pid)))
+    return left
 
 
 def spare_of(agent_pid: int) -> int | None:

@@ -339,15 +339,15 @@ def test_etcd_v3_a_preempted_node_leaves_and_the_other_goes_on(tmp_path: Path,
         preempted = node_hosting_rank0(*nodes)  # it writes the event log, then leaves
         survivor = nodes[1] if preempted is nodes[0] else nodes[0]
         kept = set(harness.workers_of(survivor.proc.pid).values())
+        its_own = {pid: harness.process_name(pid)
+                   for pid in harness.descendants(preempted.proc.pid)}
         signalled = time.monotonic()
         os.kill(preempted.proc.pid, signal.SIGTERM)
         assert preempted.wait(TIMEOUT) == 143, preempted.report()
         stopped_in = time.monotonic() - signalled
         # nothing of the node outlives its agent (a hot spare left behind printed a
         # C++ stack trace after the agent's last line, once the store went: CI, stop 45)
-        survivors = set(harness.descendants(survivor.proc.pid))
-        left_behind = [(pid, harness.process_name(pid)) for pid in
-                       harness.processes_of_run(tmp_path.name) if pid not in survivors]
+        left_behind = harness.outliving(its_own)
         survivor.wait_for_event(step_at(1), TIMEOUT)
         assert set(harness.workers_of(survivor.proc.pid).values()) == kept
         assert survivor.wait(TIMEOUT) == 0, survivor.report()
