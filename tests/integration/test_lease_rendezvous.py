@@ -230,6 +230,44 @@ def test_the_next_round_waits_for_no_member_the_world_left_out_or_whose_lease_ex
     assert left_out._lease.id and kv.get(keys.node(0, left_out.node)) is None
 
 
+class LeasesExpiringBeforeTheirWrite:
+    """The KV of a node frozen past its lease after each of its first ``times`` grants: the
+    lease a join's write names is gone by the time etcd sees the write (revoked here just
+    before it, as etcd does once nobody renews it). Every other operation is the real one."""
+
+    def __init__(self, kv: KV, times: int) -> None:
+        self._kv, self.left = kv, times
+        self.expired: list[int] = []
+
+    def put_and_claim(self, *args: Any, **kwargs: Any) -> Any:
+        lease = kwargs.get("lease", args[5] if len(args) > 5 else 0)
+        if self.left and lease:
+            self.left -= 1
+            self.expired.append(lease)
+            self._kv.revoke_lease(lease)
+        return self._kv.put_and_claim(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+
+def test_a_join_whose_fresh_lease_expired_too_takes_another_and_joins(kv: KV) -> None:
+    """The fault campaign, etcd-v3 seed 726: a node left out by a pulled cable (its lease
+    expired meanwhile) began to join again; etcd refused its write (lease not found), it
+    granted a fresh lease, and a freeze of 11 s right then let that one expire too: the
+    second write was refused as well and the agent ended with ``LeaseNotFound`` (exit 1).
+    A join takes a new lease as often as etcd forgot the last one, within its deadline."""
+    run_id = uuid.uuid4().hex
+    frozen = LeasesExpiringBeforeTheirWrite(kv, times=3)
+    node = LeaseRendezvousHandler(frozen, options(), run_id, 1, 1, "node0")  # type: ignore[arg-type]
+    info = node.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert len(frozen.expired) == 3 and len(set(frozen.expired)) == 3
+    assert node._lease.id not in frozen.expired and not node._lease.lost
+    key = kv.get(RoundKeys.of(PREFIX, run_id).node(0, node.node))
+    assert key is not None                    # its key is there, on the live lease
+
+
 def test_a_dead_member_is_seen_by_its_lease_and_cannot_rewrite_the_round(
         etcd_v3: EtcdServer) -> None:
     kv = real_kv(etcd_v3)

@@ -299,14 +299,20 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._outage.reached()
         return world
 
-    def _on_lease(self, write: Callable[[int], T]) -> T:
-        """``write(lease)`` with this node's lease; a fresh lease if etcd forgot ours (we
-        were cut off for longer than lease_ttl: our old keys are gone)."""
-        try:
-            return write(self._lease.ensure())
-        except LeaseNotFound:
-            self._lease.forget()
-            return write(self._lease.ensure())
+    def _on_lease(self, write: Callable[[int], T], number: int, deadline: float) -> T:
+        """``write(lease)`` with this node's lease; a fresh lease each time etcd says it
+        forgot ours (we were cut off or frozen for longer than lease_ttl: our old keys are
+        gone), until the join's deadline. Not once only: the fault campaign (seed 726) froze
+        a node 11 s right after it had granted the fresh lease for an expired one, so that
+        one had expired too by the write, and the agent ended with LeaseNotFound."""
+        while True:
+            try:
+                return write(self._lease.ensure())
+            except LeaseNotFound:
+                log.info("this node's etcd lease %x expired before its write to rendezvous "
+                         "round %d: it takes a new one", self._lease.id, number)
+                self._lease.forget()
+                self._check_deadline(number, deadline)
 
     def _describe(self) -> bytes:
         return json.dumps({"addr": self._local_addr or socket.getfqdn(),
@@ -320,7 +326,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
             # One request: our node key, and the coordinator key if nobody holds it, else
             # the round's control keys as they are.
             claimed, kvs, revision = self._on_lease(lambda lease: self._kv.put_and_claim(
-                key, self._describe(), coordinator, self.node.encode(), ctl, lease))
+                key, self._describe(), coordinator, self.node.encode(), ctl, lease),
+                number, deadline)
             found = self._coordinate(number, deadline) if claimed \
                 else self._follow(number, deadline, kvs, revision)
             if found is not None:
