@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests import tools
+from tests import procfs, tools
 
 PREFIX = "etb"  # every namespace a bed makes starts with it (and only theirs)
 SUBNET = "198.18.0"  # a /24 of 198.18.0.0/15 (RFC 2544, benchmark tests: never routed)
@@ -172,11 +172,7 @@ def _alive(pid: int) -> bool:
 
 def process_state(pid: int) -> str:
     """The process's state letter from /proc (``T``: stopped; ``""``: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+    return procfs.state(pid)
 
 
 def namespace_pids(ns: str) -> list[int]:

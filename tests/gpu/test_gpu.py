@@ -23,6 +23,7 @@ import torch
 
 from elastic_train.events.log import read_events
 from elastic_train.rundir import EVENTS_FILE
+from tests import procfs
 from tests.gpu.cuda_task import HANG_FLAG
 from tests.integration import harness
 
@@ -91,9 +92,8 @@ def _has_cuda_context(pid: int) -> bool:
     return bool(_driver_files(pid)) if CUDA else Path(f"/proc/{pid}").exists()
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+def _parent(pid: int) -> int | None:
+    return procfs.parent(pid)
 
 
 def _step_event(step: int):  # type: ignore[no-untyped-def]

@@ -29,6 +29,7 @@ from elastic_train.events.log import read_events
 from elastic_train.live.environment import RENDEZVOUS_SECONDS
 from elastic_train.rundir import EVENTS_FILE
 from elastic_train.torch_compat import CHECKED
+from tests import procfs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,22 +197,6 @@ def _kill_group(pid: int) -> None:
             pass
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            out.append(int(entry))
-    return out
-
-
 def _environ(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
@@ -222,21 +207,8 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for child in _children(todo.pop()):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def process_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+descendants = procfs.descendants
+process_name = procfs.name
 
 
 def listening(pid: int) -> list[tuple[str, int]]:
@@ -296,12 +268,7 @@ def _is_resource_tracker(pid: int) -> bool:
 def live_state(pid: int) -> str | None:
     """The state letter of process ``pid`` (R, S, D, T, ...), None when it is gone or a
     zombie (dead, not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-    return None if state in ("Z", "X") else state
+    return procfs.state(pid) if procfs.alive(pid) else None
 
 
 def outliving(before: dict[int, str]) -> list[tuple[int, str]]:
@@ -312,16 +279,9 @@ def outliving(before: dict[int, str]) -> list[tuple[int, str]]:
     left = [(pid, name) for pid, name in before.items()
             if live_state(pid) is not None and process_name(pid) == name
             and not _is_resource_tracker(pid)]
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in before:
-            continue
-        pid = int(entry)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if ppid == 1 and process_name(pid).startswith("et-") and live_state(pid):
+    for pid in procfs.pids():
+        if pid not in before and procfs.parent(pid) == 1 and procfs.alive(pid) \
+                and process_name(pid).startswith("et-"):
             left.append((pid, process_name(pid)))
     return left
 

@@ -229,7 +229,9 @@ def test_etcd_v3_the_writers_cable_pulled_and_put_back(netbed: Factory, tmp_path
     assert_cut_off_side_committed_nothing(run_dir, events, cut_off, back_at, True)
 
 
-@pytest.mark.parametrize("fault", ["freeze", "cable"])
+# A freeze and a pulled cable cut node-b off alike (the fault campaign has both): the default
+# suite pulls the cable, make test-extended freezes it as well.
+@pytest.mark.parametrize("fault", [pytest.param("freeze", marks=pytest.mark.extended), "cable"])
 def test_c10d_a_node_cut_off_rejoins_when_back_scaling_the_lr(
         netbed: Factory, tmp_path: Path, fault: str) -> None:
     """node-b (not the store's node) frozen and thawed, or its cable pulled and put back:
@@ -261,6 +263,10 @@ def test_c10d_a_node_cut_off_rejoins_when_back_scaling_the_lr(
                                           writer_cut_off=writer_frozen)
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_etcd_v3_the_writers_cable_pulled_and_put_back, and
+# test_a_hand_written_loop_recovers_in_place_and_ends_bitwise_exact in test_session_live.py.
+@pytest.mark.extended
 def test_a_hand_written_loop_on_two_hosts_survives_a_pulled_cable_in_place(
         netbed: Factory, tmp_path: Path) -> None:
     """``ElasticSession`` (tests/integration/session_live_loop.py) on two hosts, etcd-v3:
@@ -295,6 +301,9 @@ def test_a_hand_written_loop_on_two_hosts_survives_a_pulled_cable_in_place(
     assert_each_sample_once_in_order(run_dir, steps)
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_c10d_the_stores_host_killed_ends_the_other_node_with_one_line (the same line).
+@pytest.mark.extended
 def test_c10d_the_stores_host_cut_off_ends_the_other_node_with_one_line(
         netbed: Factory, tmp_path: Path) -> None:
     """c10d keeps its store in one node's agent: a job cannot outlive that node. When its
@@ -366,6 +375,10 @@ def test_c10d_the_stores_host_killed_ends_the_other_node_with_one_line(
     assert ended < 45, ended
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_sigkilled_workers_are_replaced_in_place_and_the_run_ends_bitwise_exact in
+# test_live_recovery.py.
+@pytest.mark.extended
 def test_a_worker_killed_on_another_host_ends_bitwise_equal_to_a_run_never_killed(
         netbed: Factory, tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
     """The world size returns at once: node-b's worker (rank 1) is SIGKILLed on its host, its

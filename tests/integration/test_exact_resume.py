@@ -116,6 +116,10 @@ def _incarnation_of(job: harness.Job, event: dict) -> int:
     return starts[-1]["restart"] if starts else 0
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_sigkill_resume_is_bitwise_exact, and test_plain_torchrun_command in
+# test_readme_examples.py.
+@pytest.mark.extended
 def test_plain_torchrun_survives_a_kill_exactly(reference: tuple[str, Path],
                                                 tmp_path: Path) -> None:
     """Under plain torchrun (a fresh interpreter per restart) the resume is exact too; its

@@ -109,6 +109,9 @@ def test_a_short_seeded_campaign_of_faults_in_sequence_breaks_nothing(
 
 # ---- the replays of what campaigns found ------------------------------------------------
 
+# Extended (make test-extended); the default suite proves it with the short seeded campaign,
+# which kills hosts in sequence with a bound of 5 s on each.
+@pytest.mark.extended
 def test_replay_a_node_killed_after_an_earlier_re_formation_costs_no_arrival_timeout(
         netbed: Factory, tmp_path: Path) -> None:
     """Found on main: the coordinator kept a connection to each member's store from an
@@ -193,6 +196,9 @@ def test_c10d_a_node_lost_right_after_a_round_closed_costs_one_bounded_wait_not_
     assert_clean(run)
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_c10d_a_node_lost_right_after_a_round_closed_costs_one_bounded_wait_not_the_job.
+@pytest.mark.extended
 def test_c10d_a_member_lost_after_its_ranks_costs_a_round_not_live_recovery(
         netbed: Factory, tmp_path: Path) -> None:
     """Found by c10d seed 642's replay (a node's cable pulled right after the round it
@@ -224,6 +230,10 @@ def test_c10d_a_member_lost_after_its_ranks_costs_a_round_not_live_recovery(
     assert_clean(run)
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_c10d_a_node_lost_right_after_a_round_closed_costs_one_bounded_wait_not_the_job (c10d, a
+# node lost around a round).
+@pytest.mark.extended
 def test_c10d_a_node_cut_off_twice_spends_none_of_its_restarts_and_ends_nothing(
         netbed: Factory, tmp_path: Path) -> None:
     """Found by c10d seed 642, made deterministic with ``--max-restarts 1``: node C cut off
@@ -244,6 +254,9 @@ def test_c10d_a_node_cut_off_twice_spends_none_of_its_restarts_and_ends_nothing(
         run.report_nodes()
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_a_worker_killed_while_a_node_waits_to_join_re_forms_the_full_world.
+@pytest.mark.extended
 def test_a_worker_killed_on_a_node_with_its_live_restarts_spent_costs_no_arrival_timeout(
         netbed: Factory, tmp_path: Path) -> None:
     """Found by etcd-v3 seed 561, made deterministic with ``--max-restarts 1``: node C's

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from elastic_train.rendezvous.etcd_v3.rounds import RoundKeys
 from tests.etcd_server import EtcdServer
 from tests.integration.threads import run_threads
 from tests.memory_kv import MemoryKV
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PARTICIPANT = REPO / "tests" / "integration" / "rendezvous_participant.py"
@@ -59,15 +60,6 @@ def options(prefix: str = PREFIX, **conf: Any) -> EtcdV3Options:
 def handler(kv: KV, run_id: str, low: int, high: int, i: int, **conf: Any
             ) -> LeaseRendezvousHandler:
     return LeaseRendezvousHandler(kv, options(**conf), run_id, low, high, f"node{i}")
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> float:
-    """Poll ``condition`` until it holds; the seconds it took (fails after ``timeout``)."""
-    began = time.monotonic()
-    while not condition():
-        assert time.monotonic() - began < timeout, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
-    return time.monotonic() - began
 
 
 class Participants:

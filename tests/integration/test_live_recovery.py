@@ -23,6 +23,7 @@ import pytest
 
 from elastic_train.live.spare import DELAY as SPARE_DELAY
 from elastic_train.observe.report import write_report
+from tests import procfs
 from tests.integration import harness
 from tests.integration.harness import TINY_DROPOUT, TINY_DROPOUT_STEPS
 
@@ -43,7 +44,7 @@ def _wait_until_blocked(pid: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     asleep = 0
     while asleep < 5:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = procfs.state(pid)
         asleep = asleep + 1 if state == "S" else 0
         if time.monotonic() > deadline:
             raise AssertionError(f"pid {pid} never blocked (state {state})")
@@ -247,6 +248,9 @@ def test_workers_lost_on_either_of_two_nodes_are_replaced_in_place_bitwise_exact
         assert len(seen) == len(set(seen)), f"epoch {epoch} repeats samples"
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_when_no_worker_survives_the_job_restarts_from_its_checkpoint.
+@pytest.mark.extended
 def test_when_both_nodes_lose_their_workers_the_job_restarts_from_its_checkpoint(
         tiny_dropout_reference: dict[int, str], tmp_path: Path) -> None:
     """Two agents (c10d, one worker each), both workers SIGKILLed at once: each agent starts

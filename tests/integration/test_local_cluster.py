@@ -17,7 +17,7 @@ import pytest
 
 from elastic_train.events.log import read_events
 from elastic_train.rundir import EVENTS_FILE
-from tests import etcd_server
+from tests import etcd_server, procfs
 from tests.integration import harness, prom
 
 pytestmark = pytest.mark.slow
@@ -55,15 +55,8 @@ class Lines:
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes (its parent has not reaped it yet).
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
+    """A zombie is gone for our purposes (its parent has not reaped it yet)."""
+    return procfs.alive(pid)
 
 
 def port_free(port: int) -> bool:

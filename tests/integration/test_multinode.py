@@ -236,6 +236,10 @@ def report(request: pytest.FixtureRequest) -> Any:
     return emit
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_etcd_v3_a_killed_host_is_reformed_at_once_and_a_new_host_grows_it_back in
+# test_across_hosts.py.
+@pytest.mark.extended
 def test_etcd_v3_loses_the_rank0_node_and_grows_back_in_place(tmp_path: Path,
                                                                etcd_v3: EtcdServer,
                                                                report: Any) -> None:

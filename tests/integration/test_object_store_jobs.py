@@ -148,6 +148,10 @@ def test_the_endpoint_down_during_a_save_training_goes_on(
         assert row["valid"] and row["model_digest"] == tiny_dropout_reference[row["step"]], row
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_two_hosts_with_no_shared_path_restore_from_the_agents_memory, and
+# test_fsdp_two_nodes_one_lost_then_one_joining_reshard_in_place in test_sharded_jobs.py.
+@pytest.mark.extended
 def test_a_resize_through_the_object_store_uses_each_sample_once(
         s3_bucket: tuple[S3Server, str], tmp_path: Path, aws: None) -> None:
     server, bucket = s3_bucket

@@ -29,7 +29,10 @@ def reference_digest(tiny_dropout_reference: dict[int, str]) -> str:
     return tiny_dropout_reference[TINY_DROPOUT_STEPS]
 
 
-@pytest.mark.parametrize("target", ["agent", "worker"])
+# The agent's SIGTERM reaches the workers as the worker's own does (the agent passes it on):
+# the default suite sends it to a worker, make test-extended to the agent as well.
+@pytest.mark.parametrize("target", [pytest.param("agent", marks=pytest.mark.extended),
+                                    "worker"])
 def test_sigterm_stops_cleanly_and_the_rerun_loses_no_step(target: str, reference_digest: str,
                                                            tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

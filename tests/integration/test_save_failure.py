@@ -157,6 +157,9 @@ def session_job(run_dir: Path, *args: str, max_restarts: int = 0) -> harness.Job
     return harness.start(argv, run_dir)
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_stop_stops_every_rank_and_fails_the_job_with_one_line (the same stop, the built-in loop).
+@pytest.mark.extended
 def test_a_session_loop_stops_every_rank_on_a_failed_save(tmp_path: Path) -> None:
     """The same stop through ElasticSession: both ranks raise the one line at one step, the
     agent's restart refuses to train on, and a rerun resumes from the last good checkpoint."""

@@ -282,6 +282,10 @@ def test_a_hand_written_loop_grows_and_shrinks_in_place_across_nodes(
     assert_each_sample_once_in_order(run_dir, steps)
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_a_hand_written_fsdp_loop_recovers_in_place_with_the_weights_of_one_never_killed in
+# test_sharded_jobs.py.
+@pytest.mark.extended
 def test_a_hand_written_fsdp_loop_grows_from_the_peers_and_shrinks_through_the_checkpoint(
         tmp_path: Path) -> None:
     """The loop with ``session.wrap(model, parallelism="fsdp")`` on two c10d agents: node-a

@@ -186,6 +186,9 @@ def test_a_checkpoint_interval_is_rank_0s_clock_and_every_rank_saves_that_step(
     assert digests(run_dir)[STEPS] == reference[STEPS]
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_hsdp_a_lost_node_is_a_lost_replica_group_and_a_new_one_is_filled_by_the_peers.
+@pytest.mark.extended
 def test_hsdp_killed_workers_take_their_shards_from_their_replica_group_bitwise(
         tmp_path: Path) -> None:
     """4 workers, 2 replica groups of 2, under ``elastic-train run``: a worker SIGKILLed
@@ -232,6 +235,9 @@ def _preempted_at(run_dir: Path, nproc: int, step: int) -> harness.Job:
     return job
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_fsdp_two_nodes_one_lost_then_one_joining_reshard_in_place.
+@pytest.mark.extended
 def test_a_resize_2_3_2_reshards_and_uses_each_sample_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _preempted_at(run_dir, 2, 12)
@@ -304,6 +310,9 @@ def assert_same_final_weights(run_dir: Path, reference: Path) -> None:
     Model().load_state_dict(ours)  # strict: the whole, unsharded model
 
 
+# Extended (make test-extended); the default suite proves it with
+# test_a_hand_written_fsdp_loop_recovers_in_place_with_the_weights_of_one_never_killed.
+@pytest.mark.extended
 def test_a_hand_written_fsdp_loop_killed_under_torchrun_resumes_with_unchanged_weights(
         session_reference: Path, tmp_path: Path) -> None:
     """examples/fsdp_session.py (``session.wrap(model, parallelism="fsdp")``) under plain

@@ -2,7 +2,9 @@
 (user_scripts/: a pytorch/examples-style ``Trainer`` with its own snapshot, a module run
 with ``-m``, a script that reads only LOCAL_RANK/RANK/WORLD_SIZE), each without faults and
 with a SIGKILL of a worker, under both worker starts: every run ends, within a bound, with
-the script's status. And a Kubeflow-style ``PET_*``-only launch gets torchrun's world."""
+the script's status (the default suite runs a subset that covers each shape, each start and
+a kill under both; ``make test-extended`` every pairing). And a Kubeflow-style ``PET_*``-only
+launch gets torchrun's world."""
 
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ FINISHED = {"tutorial": r"\[RANK{rank}\] done", "module": r"module rank {rank}: 
             "plain": r"rank {rank} \(local \d\) of 2: loss"}
 
 
-# Every shape under each start method without a fault; with a SIGKILL, the tutorial under
-# both and the module under forkserver (the other kills: make test-extended).
+# The default suite: each shape and each start method at least once, a SIGKILL under both
+# starts (a killed run also runs to its end); every other pairing: make test-extended.
+DEFAULT_CASES = {("tutorial", "subprocess", 1), ("module", "forkserver", 1),
+                 ("plain", "subprocess", None), ("plain", "forkserver", None)}
 SCRIPT_CASES = [
     pytest.param(shape, start, kill, id=f"{shape}-{start}-{'sigkill' if kill else 'no-fault'}",
-                 marks=[pytest.mark.extended] if kill and (shape, start) in (
-                     ("module", "subprocess"), ("plain", "subprocess"), ("plain", "forkserver"))
-                 else [])
+                 marks=[] if (shape, start, kill) in DEFAULT_CASES else [pytest.mark.extended])
     for shape in ("tutorial", "module", "plain") for start in ("forkserver", "subprocess")
     for kill in (None, 1)]
 
@@ -52,7 +54,8 @@ def test_an_unmodified_script_ends_with_its_status(tmp_path: Path, shape: str,
             assert "Resuming training from snapshot at Epoch" in outcome.output
 
 
-@pytest.mark.parametrize("worker_start", ["forkserver", "subprocess"])
+@pytest.mark.parametrize("worker_start", [  # the status's path is the same under both
+    pytest.param("forkserver", marks=pytest.mark.extended), "subprocess"])
 def test_a_failing_scripts_status_reaches_the_job(tmp_path: Path, worker_start: str) -> None:
     outcome = script_jobs.run("plain", tmp_path, worker_start=worker_start, exit_code=3,
                               max_restarts=0, timeout=BOUND)
@@ -94,7 +97,8 @@ def world(launcher: list[str], env: dict[str, str], tmp_path: Path, name: str) -
     pytest.param({}, id="operator-defaults"),
     pytest.param({"PET_RDZV_ID": "kf-job"}, id="rdzv-id", marks=pytest.mark.extended),
     pytest.param({"PET_NPROC_PER_NODE": "2"}, id="nproc", marks=pytest.mark.extended),
-    pytest.param({"PET_RDZV_ID": "kf-job", "PET_NPROC_PER_NODE": "2"}, id="rdzv-id+nproc")])
+    pytest.param({"PET_RDZV_ID": "kf-job", "PET_NPROC_PER_NODE": "2"}, id="rdzv-id+nproc",
+                 marks=pytest.mark.extended)])
 def test_a_pet_only_launch_gets_torchruns_world(tmp_path: Path, env: dict[str, str]) -> None:
     theirs = world([sys.executable, "-m", "torch.distributed.run"], env, tmp_path, "torchrun")
     ours = world([sys.executable, "-m", "elastic_train", "run"], env, tmp_path, "elastic")

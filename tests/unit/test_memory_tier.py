@@ -11,7 +11,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -35,6 +34,7 @@ from elastic_train.live.memory_tier import (
 )
 from elastic_train.worker.memory_tier import MemoryTierClient
 from tests.memory_store import MemoryStore
+from tests.polling import wait_until
 
 RUN = "job-1"
 
@@ -246,8 +246,8 @@ def test_the_agents_find_each_others_holders_in_the_rounds_store(holders) -> Non
     first.publish(store, 0, 3)  # rank 2 never shows (an agent that died at once)
     assert a.peers == []                                       # its own copy only, until found
     second.publish(store, 1, 3)
-    within(lambda: [p.url for p in b.peers] == [a.url], "b finding a")
-    within(lambda: [p.url for p in a.peers] == [b.url], "a finding b")
+    wait_until(lambda: [p.url for p in b.peers] == [a.url], 10, "b finding a")
+    wait_until(lambda: [p.url for p in a.peers] == [b.url], 10, "a finding b")
     assert json.loads(store.get(HOLDER_KEY.format(rank=1)))["url"] == b.url
     assert not first.settled()                                 # rank 2 is still looked for
     assert client(a).offer(*snapshot(5)) == 2
@@ -272,15 +272,8 @@ def test_a_store_that_does_not_answer_never_holds_the_agents_loop(holders) -> No
     answer.set()                                              # etcd is back
     MemoryStore.set(store, HOLDER_KEY.format(rank=1), HolderEntry("http://b", "t", "b", 1)
                     .to_json())
-    within(directory.settled, "the directory settling once the store answers")
+    wait_until(directory.settled, 10, "the directory settling once the store answers")
     assert [p.url for p in a.peers] == ["http://b"]
-
-
-def within(condition: Any, what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.01)
 
 
 def test_a_store_that_cannot_list_leaves_one_copy(holders, caplog) -> None:
@@ -293,7 +286,7 @@ def test_a_store_that_cannot_list_leaves_one_copy(holders, caplog) -> None:
     a.set_peers([])
     directory = HolderDirectory(a)
     directory.publish(Broken(), 0, 2)
-    within(directory.settled, "the directory giving up")
+    wait_until(directory.settled, 10, "the directory giving up")
     assert "keeps its one copy" in caplog.text
     assert client(a).offer(*snapshot(5)) == 1
 
