@@ -570,7 +570,9 @@ class LiveRecoveryAgent(TorchAgent):
                 and worker_group.spec.rdzv_handler.get_backend() in ACROSS_NODES:
             log.info("a node waits to join: this node goes into the new rendezvous round "
                      "while its workers train on")
-            self.rendezvous(worker_group)
+            with self._node.left_out_of_the_round(worker_group.spec.rdzv_handler) \
+                    if self._node is not None else contextlib.nullcontext():
+                self.rendezvous(worker_group)
             for local_rank, pid in self.start_workers(worker_group).items():
                 worker_group.workers[local_rank].id = pid
             worker_group.state = WorkerState.HEALTHY

@@ -16,6 +16,7 @@ piece by piece.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup
+from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from elastic_train.agent.live_options import LiveOptions
 from elastic_train.agent.silent_peers import SilentPeers
@@ -87,6 +89,15 @@ class LiveNode:
         self.coordinator.adopt(plan, raw)
         if self.silence is not None:
             self.silence.adopted(self.address, plan)
+
+    def left_out_of_the_round(self, handler: RendezvousHandler
+                              ) -> contextlib.AbstractContextManager[None]:
+        """While the agent waits in a rendezvous round: the generation's members that are
+        silent leave the rendezvous at once (agent/silent_peers.py)."""
+        plan = self.coordinator.plan
+        if self.silence is None or plan is None:
+            return contextlib.nullcontext()
+        return self.silence.left_out_of_the_round(plan, handler)
 
     def silent(self) -> set[str]:
         """Members of the current generation the failure detector suspects now."""

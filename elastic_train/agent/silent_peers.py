@@ -11,12 +11,16 @@ Kept apart from the agent's hooks so that they only ask whom to leave out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from elastic_train.agent.failure_detector import Peer, PeerHeartbeats
 from elastic_train.live.plan import Plan
+from elastic_train.rendezvous.forget import forget_nodes
 
 __all__ = ["SilentPeers"]
 
@@ -35,6 +39,7 @@ class SilentPeers:
         self._check_store = check_store
         self._store_check: threading.Thread | None = None
         self._silenced: set[str] = set()
+        self._listeners: list[Callable[[set[str]], None]] = []
         """Peers the detector suspected since this agent adopted its plan, kept even if they
         answer again: the loop may have been blocked meanwhile (torch's c10d handler waits
         on a store that the cut-off side cannot reach), and a peer that fell silent may
@@ -54,6 +59,38 @@ class SilentPeers:
         """Members of ``plan`` the failure detector suspects now."""
         return (self._heartbeats.suspects() | self._silenced) & set(plan.agents)
 
+    @contextlib.contextmanager
+    def telling(self, listener: Callable[[set[str]], None]) -> Iterator[None]:
+        """Within the block, also call ``listener`` (in the detector's thread) with the
+        peers that fall silent: for what the agent's loop cannot do meanwhile, as while it
+        waits in a rendezvous round (agent/live_agent.py)."""
+        self._listeners.append(listener)
+        try:
+            yield
+        finally:
+            self._listeners.remove(listener)
+
+    @contextlib.contextmanager
+    def left_out_of_the_round(self, plan: Plan, handler: RendezvousHandler) -> Iterator[None]:
+        """While the agent waits in a rendezvous round with its workers training on (a node
+        joins), a member of ``plan`` that is silent (already, or falls silent meanwhile) is
+        left out of the rendezvous at once: the round, which waits for the previous world's
+        live members, must not wait for it until its lease expires while the workers sit
+        in a collective with it (the fault campaign, etcd-v3 seed 801: a one-way loss as a
+        node joined held every step 7 s)."""
+
+        def leave_out(agents: set[str]) -> None:
+            nodes = [m.rdzv_node for m in plan.members if m.agent in agents]
+            if forget_nodes(handler, nodes, coordinator=False):
+                log.warning("agent(s) %s fell silent while the rendezvous round forms: the "
+                            "round goes on without them", ", ".join(sorted(agents)))
+
+        with self.telling(leave_out):
+            suspected = self.silent(plan)
+            if suspected:
+                leave_out(suspected)
+            yield
+
     def close(self) -> None:
         self._heartbeats.close()
 
@@ -64,6 +101,12 @@ class SilentPeers:
                     self._heartbeats.timeout)
         self._silenced |= agents
         self._wake()
+        for listener in list(self._listeners):
+            try:
+                listener(agents)
+            except Exception as exc:  # the detector's thread must go on
+                log.warning("acting on silent agent(s) %s failed: %s: %s",
+                            ", ".join(sorted(agents)), type(exc).__name__, exc)
         checking = self._store_check is not None and self._store_check.is_alive()
         if self._check_store is not None and not checking:
             self._store_check = threading.Thread(target=self._check_store,

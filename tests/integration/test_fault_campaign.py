@@ -365,6 +365,26 @@ def test_replay_a_join_after_a_one_way_loss_waits_for_no_tcp_backoff(
 
 
 @pytest.mark.extended
+def test_replay_a_one_way_loss_as_a_node_joins_holds_no_step_for_the_lease(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by the soak of cde80ca (etcd-v3 seed 801, fault 4): node C, killed while it
+    joined (fault 3), came back; A and B, training at 2, went into the round C opened,
+    and B's outgoing packets were dropped just then. The round waited for B, alive by its
+    lease, and A's workers, in a collective with B's, did no step for 7.04 s, until B's
+    lease ran out. A's failure detector found B silent during the round: B now leaves the
+    rendezvous at once, and the round closes with A and C."""
+    setup = Setup()
+    schedule = make_schedule(801, 5, setup.names, list(KINDS), nproc=setup.nproc)
+    assert (schedule.faults[3].kind, schedule.faults[4].kind) == ("kill_while_joining",
+                                                                  "one_way")
+    run = campaign(netbed, tmp_path, setup, schedule, disk=True)
+    show(run)
+    assert_clean(run)
+    last = run.records[-1]
+    assert last.next_step is not None and last.next_step < 3.0, last
+
+
+@pytest.mark.extended
 def test_replay_a_frozen_node_whose_lease_expires_later_ends_nothing(
         netbed: Factory, tmp_path: Path) -> None:
     """Found on main: node C frozen 7-13 s; the world re-formed without it in 1.5 s, then

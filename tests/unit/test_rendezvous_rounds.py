@@ -96,3 +96,22 @@ def test_a_world_record_round_trips_and_a_foreign_one_is_named() -> None:
     with pytest.raises(RendezvousStateError, match="the rendezvous record at /x/world is "
                                                    "corrupt or was not written by the etcd-v3"):
         World.decode(b"not json", "/x/world")
+
+
+def test_a_stalled_round_closes_without_its_last_call_but_still_awaits_the_previous_world(
+        ) -> None:
+    """A member of the world before fell silent while the round formed (its workers wait
+    for it in a collective): the round closes once it has its minimum and awaits nobody,
+    with no last call; a live member of the world before is still awaited."""
+    tally = RoundTally(1, 3, last_call=30.0)
+    tally.expect({"a", "b"})
+    tally.joined("a", 1, now=0.0)
+    tally.joined("c", 2, now=0.0)
+    tally.stall()
+    assert not tally.due(0.1) and tally.wake_at() is None      # b is alive, awaited
+    tally.previous_gone("b")                                   # left out (forget_nodes)
+    assert tally.due(0.1) and tally.wake_at() == 0.0
+    assert tally.close(("a", "b")) == ("a", "c")
+    plain = RoundTally(1, 3, last_call=30.0)
+    plain.joined("a", 1, now=0.0)
+    assert not plain.due(0.1) and plain.wake_at() == 30.0      # the last call, unstalled

@@ -113,6 +113,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
                                 retry_seconds=options.connect_timeout)
         self._outage = Outage(kv.endpoint, options.lease_ttl)
         self.world: World | None = None
+        self._last_world: World | None = None  # the one a join in progress re-forms
         self._monitors: list[Watch] = []
         self._waiting = False  # a node waits for the next round (it created its coordinator)
         self._lost: dict[str, float] = {}  # members whose lease expired: since when
@@ -120,13 +121,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """Seconds a member's expired lease waits before it makes the world re-form by a
         new round (``num_nodes_waiting``). Live recovery sets it just above its failure
         detector's timeout: a member silent for good is then left out in place by the
-        detector, and ``forget_nodes`` makes the expiry no news; a new round would wait
-        its last call (5 s) for nothing. Found by the fault campaign (seed 300): a lease
-        that an earlier etcd outage had left nearly spent expired 0.9 s after its node's
-        cable was pulled, and a pulled cable cost 6 s instead of 1.5 s."""
-        self._forgotten: set[str] = set()
-        """Members of this round that live recovery already left out of the world: their
-        lease expiring later changes nothing (``forget_nodes``)."""
+        detector, and ``forget_nodes`` makes the expiry no news (the fault campaign, seed
+        300: a new round cost a pulled cable 6 s instead of 1.5 s)."""
+        self._forgotten: set[str] = set()  # members left out in place (``forget_nodes``)
         self._member_key: str | None = None  # our node key in the round we are a member of
         self._joining: int | None = None  # the round a join in progress is in
         self._deadline: float | None = None  # of the join in progress
@@ -203,25 +200,30 @@ class LeaseRendezvousHandler(RendezvousHandler):
         its plan lost; their keys in the round are deleted (in the background, best effort:
         a live recovery never waits for etcd), so that a next round, which waits for the
         members of this one that are alive (rounds.py), does not wait for their leases to
-        expire. A node left out that is alive after all joins that round as any other."""
-        members = set(self.world.members) if self.world is not None else set()
+        expire. A node left out that is alive after all joins that round as any other.
+        Also while this node joins the next round (docs/several-nodes.md, seed 801)."""
+        world = self.world if self.world is not None else self._last_world
+        members = set(world.members) if world is not None else set()
         found = sorted((nodes & members) - {self.node})
         self._forgotten.update(found)
         for node in found:
             self._lost.pop(node, None)
-        if found and self.world is not None:
-            keys = [self.keys.node(self.world.round, node) for node in found]
-            threading.Thread(target=self._delete_quietly, args=(keys,), daemon=True,
+        joining = self._joining if self.world is None else None
+        if found and world is not None:
+            keys = [self.keys.node(world.round, node) for node in found]
+            threading.Thread(target=self._delete_quietly, args=(keys, joining), daemon=True,
                              name="etcd-v3-forget").start()
         return found
 
-    def _delete_quietly(self, keys: list[str]) -> None:
-        for key in keys:
-            try:
+    def _delete_quietly(self, keys: list[str], joining: int | None) -> None:
+        """Delete ``keys``; mark the round this node joins (if any) stalled (rounds.py)."""
+        try:
+            for key in keys:
                 self._kv.delete(key)
-            except Exception as exc:  # etcd away: the lease's expiry removes it later
-                log.debug("could not delete %s: %s", key, exc)
-                return
+            if joining is not None:
+                self._kv.put(self.keys.stalled(joining), b"1", self._job_lease.current())
+        except Exception as exc:  # etcd away: the lease's expiry removes them later
+            log.debug("could not leave %s out: %s", keys, exc)
 
     def num_nodes_waiting(self) -> int:
         """Whether the world must re-form, as torch's agent reads it (> 0): 1 when a node
@@ -266,6 +268,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         answer). A repeated attempt goes on with the round the failed one had joined, so a
         node whose round closed with it while etcd was away is not left alone in the next."""
         self._stop_monitor()
+        if self.world is not None:
+            self._last_world = self.world
         self.world = None
         self._forgotten.clear()
         found = self._kv.get_many([self.keys.closed, self.keys.latest])  # etcd must answer
@@ -302,9 +306,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _on_lease(self, write: Callable[[int], T], number: int, deadline: float) -> T:
         """``write(lease)`` with this node's lease; a fresh lease each time etcd says it
         forgot ours (we were cut off or frozen for longer than lease_ttl: our old keys are
-        gone), until the join's deadline. Not once only: the fault campaign (seed 726) froze
-        a node 11 s right after it had granted the fresh lease for an expired one, so that
-        one had expired too by the write, and the agent ended with LeaseNotFound."""
+        gone), until the join's deadline: not once only (docs/several-nodes.md, seed 726)."""
         while True:
             try:
                 return write(self._lease.ensure())
@@ -369,10 +371,13 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """As round ``number``'s coordinator: close it when torch's rule says so."""
         tally = RoundTally(self._min_nodes, self._max_nodes, self._options.last_call_timeout)
         previous: tuple[str, ...] = ()
-        if number > 0:
-            before = self._kv.get(self.keys.world(number - 1))
-            if before is not None:
-                previous = World.decode(before.value, self.keys.world(number - 1)).members
+        stalled = self.keys.stalled(number)
+        found = self._kv.get_many([self.keys.world(max(0, number - 1)), stalled])
+        before = found.get(self.keys.world(number - 1)) if number > 0 else None
+        if before is not None:
+            previous = World.decode(before.value, self.keys.world(number - 1)).members
+        if stalled in found:
+            tally.stall()
         nodes, old = self.keys.nodes(number), self.keys.nodes(max(0, number - 1))
         kvs, revision = self._kv.range_prefix(nodes)
         now = time.monotonic()
@@ -411,6 +416,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
                             tally.left(node, now)
                     elif previous and event.key.startswith(old) and event.kind == "delete":
                         tally.previous_gone(event.key[len(old):])
+                    elif event.key == stalled and event.kind == "put":
+                        tally.stall()
         finally:
             watch.cancel()
         world = World(number, tally.close(previous))

@@ -8,6 +8,8 @@ Keys of a job, under ``<key_prefix>/<run_id>/``::
     round/<r>/node/<node>           one per node that joined round r, on that node's lease
     round/<r>/ctl/coordinator       the node that closes round r, on its lease
     round/<r>/ctl/world             round r's members in rank order (written once, by a txn)
+    round/<r>/ctl/stalled           a member of the world before fell silent while round r
+                                    formed: its workers wait in a collective (no last call)
     store/...                       the c10d store the agents share (store.py)
 
 A round closes when it has ``max_nodes`` members, or when it has had at least
@@ -15,8 +17,11 @@ A round closes when it has ``max_nodes`` members, or when it has had at least
 previous round's world is alive (its key there on its lease) and not in this one: that
 world runs, its members come to this round when they see it open, and a round closed
 without them would be a second world of the same job (torch's rendezvous too keeps a late
-node waiting until the participants come). Ranks are stable: the members of the previous
-round keep their order, newcomers follow in the order they joined.
+node waiting until the participants come). A round marked ``stalled`` (a member of the
+world before fell silent meanwhile, and the others' workers wait for it in a collective)
+closes as soon as it has ``min_nodes`` and awaits nobody: no last call. Ranks are stable:
+the members of the previous round keep their order, newcomers follow in the order they
+joined.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class RoundKeys:
 
     def world(self, number: int) -> str:
         return f"{self.ctl(number)}world"
+
+    def stalled(self, number: int) -> str:
+        return f"{self.ctl(number)}stalled"
 
     def parse_node_key(self, key: str) -> tuple[int, str] | None:
         """(round, node) of a ``round/<r>/node/<node>`` key, else None."""
@@ -129,6 +137,7 @@ class RoundTally:
         self._min_since: float | None = None
         self._expected: set[str] = set()
         """Members of the previous round's world still alive there (``expect``)."""
+        self._stalled = False
 
     def expect(self, alive: set[str]) -> None:
         """The previous round's world members that are still alive: the round waits for
@@ -139,6 +148,11 @@ class RoundTally:
         """A member of the previous round's world is gone (its key there deleted: it left,
         its lease expired, or the world re-formed without it and said so)."""
         self._expected.discard(node)
+
+    def stall(self) -> None:
+        """The previous world's workers wait for a member that fell silent: no last call
+        (it would hold them that long)."""
+        self._stalled = True
 
     def awaited(self) -> set[str]:
         """Members of the previous world, alive, that this round still waits for."""
@@ -168,14 +182,15 @@ class RoundTally:
         """Whether torch's rule alone says close (``max`` nodes, or ``min`` for last call)."""
         if len(self.members) >= self.max_nodes:
             return True
-        return self._min_since is not None and now - self._min_since >= self.last_call
+        return self._min_since is not None and (
+            self._stalled or now - self._min_since >= self.last_call)
 
     def wake_at(self) -> float | None:
         """When ``due`` turns true by time alone (None: only a join, or a member of the
         previous world gone, can make it)."""
         if self._min_since is None or self.awaited():
             return None
-        return self._min_since + self.last_call
+        return self._min_since + (0.0 if self._stalled else self.last_call)
 
     def close(self, previous: Sequence[str] = ()) -> tuple[str, ...]:
         """The members in rank order, at most ``max_nodes`` (the earliest joiners)."""
