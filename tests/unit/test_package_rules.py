@@ -171,7 +171,7 @@ LAYERS = (
     "errors", "process_exit", "thread_priority", "torch_private", "network", "batch_shares",
     "config",
     # what a process is made of, torch-free where it says so
-    "events", "live", "tasks", "torch_compat",
+    "events", "live", "tasks", "torch_compat", "integrity",
     # services: the rendezvous (agent side), checkpoints, the run directory, what users see
     "rendezvous", "checkpoint", "rundir", "observe",
     # the two processes, the worker below the agent that launches it

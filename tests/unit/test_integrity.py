@@ -1,0 +1,136 @@
+"""elastic_train/integrity: fingerprints equal exactly when the bits are, a flipped bit
+always seen, the odd replica named by majority, stragglers named after their window and
+never on a healthy noisy world."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from elastic_train.integrity import fingerprint as fp
+from elastic_train.integrity.bitflip import flip_bit
+from elastic_train.integrity.stragglers import StragglerWatch
+from elastic_train.integrity.verdict import compare, compare_groups
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+          torch.uint8, torch.bool]
+
+
+def state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 8)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def words(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    return fp.state_fingerprint([("model", model.state_dict()),
+                                 ("optimizer", optimizer.state_dict())]).tolist()
+
+
+def test_two_replicas_with_the_same_bits_have_the_same_fingerprint() -> None:
+    assert words(*state(0)) == words(*state(0))
+    assert words(*state(0)) != words(*state(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_single_bit_flip_changes_the_fingerprint(dtype: torch.dtype) -> None:
+    rng = random.Random(7)
+    base = (torch.rand(300) * 100).to(dtype) if dtype != torch.bool else torch.rand(300) > 0.5
+    before = fp.tensor_words(base).tolist()
+    for _ in range(200):
+        flipped = base.clone()
+        index, bit = rng.randrange(300), rng.randrange(8 * base.element_size())
+        flip_bit(flipped, index, bit)
+        assert fp.tensor_words(flipped).tolist() != before, (index, bit)
+
+
+def test_a_flip_of_optimizer_state_is_seen_and_flipping_back_restores_it() -> None:
+    model, optimizer = state()
+    before = words(model, optimizer)
+    moment = optimizer.state_dict()["state"][0]["exp_avg"]
+    flip_bit(moment, 3, 30)
+    after = words(model, optimizer)
+    assert after[0] == before[0] and after[1] != before[1]   # the model's row is untouched
+    flip_bit(moment, 3, 30)
+    assert words(model, optimizer) == before
+
+
+def test_swapped_elements_and_chunk_boundaries_are_seen(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.setattr(fp, "CHUNK", 64)
+    base = torch.arange(1000, dtype=torch.float32)
+    swapped = base.clone()
+    swapped[[10, 900]] = swapped[[900, 10]]
+    assert fp.tensor_words(base)[0] == fp.tensor_words(swapped)[0]   # the plain sum agrees
+    assert fp.tensor_words(base).tolist() != fp.tensor_words(swapped).tolist()
+    monkeypatch.setattr(fp, "CHUNK", 1 << 22)
+    assert fp.tensor_words(base).tolist() == fp.tensor_words(base.clone()).tolist()
+
+
+def test_a_flip_needs_a_valid_place() -> None:
+    with pytest.raises(ValueError, match=r"bits 0\.\.31"):
+        flip_bit(torch.zeros(4), 0, 32)
+    with pytest.raises(ValueError, match="has 4 elements"):
+        flip_bit(torch.zeros(4), 4, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        flip_bit(torch.zeros(4, 4).t(), 0, 0)
+
+
+def test_the_odd_replica_is_named_by_a_strict_majority() -> None:
+    good, bad = [1, 2, 3], [1, 2, 4]
+    assert compare({0: good, 1: good, 2: good}).agree
+    verdict = compare({0: good, 1: bad, 2: good})
+    assert not verdict.agree and verdict.named == (1,) and verdict.suspects == (1,)
+    assert "rank(s) 1 hold a state that differs" in verdict.describe()
+
+
+def test_two_replicas_or_a_tie_make_every_rank_a_suspect() -> None:
+    verdict = compare({0: [1], 1: [2]})
+    assert not verdict.agree and verdict.named == () and verdict.suspects == (0, 1)
+    tie = compare({0: [1], 1: [2], 2: [1], 3: [2]})
+    assert tie.named == () and tie.suspects == (0, 1, 2, 3)
+    assert "no majority" in tie.describe()
+
+
+def test_replica_groups_are_judged_apart() -> None:
+    # HSDP: ranks 0 and 2 hold shard A, 1, 3 and 5 shard B
+    prints = {0: [1], 2: [1], 1: [5], 3: [6], 5: [5]}
+    verdict = compare_groups(prints, [[0, 2], [1, 3, 5]])
+    assert verdict.named == (3,) and verdict.suspects == (3,)
+    assert compare_groups(prints, [[0, 2]]).agree
+
+
+def test_a_rank_slowed_2x_is_named_after_its_window_and_only_it() -> None:
+    watch = StragglerWatch(factor=1.5, window=20)
+    rng = random.Random(1)
+    named: list[int] = []
+    for step in range(40):
+        times = {r: 0.1 * rng.uniform(0.9, 1.1) * (2.0 if r == 2 and step >= 10 else 1.0)
+                 for r in range(4)}
+        named = watch.step(times)
+        if step < 29:
+            assert named == [], step
+    assert named == [2] and watch.scores[2] > 1.5
+
+
+def test_a_healthy_noisy_world_names_nobody_in_10000_steps() -> None:
+    watch = StragglerWatch()
+    rng = random.Random(3)
+    for _ in range(10_000):
+        # jitter of +-30 %, and now and then one rank's step 3x as long (a checkpoint, a
+        # page fault): noise, never a straggler
+        times = {r: 0.1 * rng.uniform(0.7, 1.3) * (3.0 if rng.random() < 0.02 else 1.0)
+                 for r in range(8)}
+        assert watch.step(times) == []
+
+
+def test_the_policy_refuses_a_factor_or_window_that_means_nothing() -> None:
+    with pytest.raises(ValueError, match="above 1"):
+        StragglerWatch(factor=1.0)
+    with pytest.raises(ValueError, match="at least 1 step"):
+        StragglerWatch(window=0)
