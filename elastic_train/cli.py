@@ -22,7 +22,7 @@ from elastic_train.process_exit import exit_command
 from elastic_train.rundir import RunDir
 
 if TYPE_CHECKING:
-    from elastic_train.checkpoint.storage import CheckpointStore
+    from elastic_train.checkpoint.api import CheckpointStorage
 
 USAGE = """usage: elastic-train <command> [options]
 
@@ -44,12 +44,12 @@ commands:
 """
 
 
-def _checkpoint_store(run_dir: RunDir) -> CheckpointStore:
+def _checkpoint_store(run_dir: RunDir) -> CheckpointStorage:
     _check_run_dir(run_dir)
     return run_dir.checkpoint_store()
 
 
-def _checkpoint_rows(store: CheckpointStore) -> list[dict[str, Any]]:
+def _checkpoint_rows(store: CheckpointStorage) -> list[dict[str, Any]]:
     rows = []
     for info in store.list():
         verdict = store.verify(info)

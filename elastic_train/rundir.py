@@ -38,10 +38,13 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_train.config import RunLocation, StorageConfig
 from elastic_train.errors import ConfigError, StorageError
+
+if TYPE_CHECKING:  # checkpoint/ imports torch: the launcher reads a run dir before it
+    from elastic_train.checkpoint.api import CheckpointStorage
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +139,9 @@ class RunDir:
 
         return ObjectLocation.parse(str(self.location)).key(*parts)
 
-    def checkpoint_store(self) -> Any:
-        """Where checkpoints are committed: ``CheckpointStore`` or its object-store twin."""
+    def checkpoint_store(self) -> CheckpointStorage:
+        """Where checkpoints are committed (checkpoint/api.py): on the filesystem, or in the
+        object store of an ``s3://`` run directory."""
         if self.remote:
             from elastic_train.checkpoint.object_checkpoints import ObjectCheckpointStore
 

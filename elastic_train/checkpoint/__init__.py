@@ -14,14 +14,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from elastic_train.checkpoint.api import CheckpointInfo, CheckpointStorage
     from elastic_train.checkpoint.manager import CheckpointManager, Restored, snapshot_state
-    from elastic_train.checkpoint.storage import CheckpointInfo, CheckpointStore, model_digest
+    from elastic_train.checkpoint.storage import CheckpointStore, model_digest
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointStore", "Restored",
-           "model_digest", "snapshot_state"]
+__all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointStorage", "CheckpointStore",
+           "Restored", "model_digest", "snapshot_state"]
 
 _HOME = {"CheckpointManager": "manager", "Restored": "manager", "snapshot_state": "manager",
-         "CheckpointInfo": "storage", "CheckpointStore": "storage", "model_digest": "storage"}
+         "CheckpointInfo": "api", "CheckpointStorage": "api", "CheckpointStore": "storage",
+         "model_digest": "storage"}
 
 
 def __getattr__(name: str) -> Any:

@@ -18,8 +18,9 @@ from typing import BinaryIO
 
 import torch
 
+from elastic_train.checkpoint.api import CheckpointInfo, CheckpointStorage
 from elastic_train.checkpoint.sharded import SHARDED, full_tensors
-from elastic_train.checkpoint.storage import CheckpointInfo, CheckpointStore, model_digest
+from elastic_train.checkpoint.storage import model_digest
 from elastic_train.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
 #: Accepted suffixes of ``out``; the first is written with safetensors, the rest torch.save.
@@ -150,7 +151,7 @@ def write_weights(state: Mapping[str, torch.Tensor], out: Path) -> Path:
     return out
 
 
-def _choose(store: CheckpointStore, step: int | None) -> CheckpointInfo:
+def _choose(store: CheckpointStorage, step: int | None) -> CheckpointInfo:
     infos = store.list()
     if not infos:
         raise CheckpointError(f"no checkpoints under {store.root}: nothing to export; pass "
@@ -178,7 +179,7 @@ def _choose(store: CheckpointStore, step: int | None) -> CheckpointInfo:
     return chosen[0]
 
 
-def export_checkpoint(store: CheckpointStore, out: Path, step: int | None = None
+def export_checkpoint(store: CheckpointStorage, out: Path, step: int | None = None
                       ) -> ExportResult:
     """Write the model weights of checkpoint ``step`` (default: the newest that verifies)
     to ``out`` with ``write_weights``; the checkpoint is only read."""

@@ -32,9 +32,13 @@ from typing import Any, Protocol
 import torch
 
 from elastic_train.checkpoint import sharded
+from elastic_train.checkpoint.api import (
+    CheckpointInfo,
+    CheckpointStorage,
+    PayloadUpload,
+    Serialized,
+)
 from elastic_train.checkpoint.fence import WriterFence, superseded
-from elastic_train.checkpoint.object_checkpoints import ObjectCheckpointStore, PayloadUpload
-from elastic_train.checkpoint.object_store import ObjectStore
 from elastic_train.checkpoint.persister import BackgroundPersister
 from elastic_train.checkpoint.snapshot import (
     PendingCopies,
@@ -43,9 +47,6 @@ from elastic_train.checkpoint.snapshot import (
     changed_only_by_step,
 )
 from elastic_train.checkpoint.storage import (
-    CheckpointInfo,
-    CheckpointStore,
-    Serialized,
     check_compatible,
     load_payload,
     model_digest,
@@ -144,7 +145,7 @@ def snapshot_state(objects: Mapping[str, Stateful]) -> dict[str, Any]:
 class CheckpointManager:
     """Checkpoints of one run, used identically by every rank."""
 
-    def __init__(self, store: CheckpointStore, group: Ranks, policy: CheckpointConfig,
+    def __init__(self, store: CheckpointStorage, group: Ranks, policy: CheckpointConfig,
                  events: EventLog, meta: Mapping[str, Any] | None = None,
                  fence: WriterFence | None = None,
                  on_commit: Callable[[], None] | None = None,
@@ -729,10 +730,9 @@ class CheckpointManager:
         memory = self.memory
         assert memory is not None
 
-        def upload(objects: ObjectStore, key: str, payload: Serialized) -> bool:
-            url = f"s3://{objects.location.bucket}/{key}"
+        def upload(url: str, options: Mapping[str, Any], payload: Serialized) -> bool:
             try:
-                memory.upload(offered, url, objects.client_options())
+                memory.upload(offered, url, options)
             except (MemoryTierError, StorageRefusedError) as exc:
                 if not self._upload_behind_failed:
                     log.warning("the agent did not upload checkpoint %s (%s): this worker "
@@ -757,7 +757,7 @@ class CheckpointManager:
             "model_shapes": tensor_shapes(model_state),
         }
         payload: Mapping[str, Any] | Serialized = snapshot
-        in_object_store = isinstance(self.store, ObjectCheckpointStore)
+        in_object_store = self.store.remote
         if self.memory is not None or in_object_store:
             payload = serialize(snapshot)  # once: for the memory tier and the object store
         offered = None

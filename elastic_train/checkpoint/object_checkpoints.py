@@ -32,13 +32,17 @@ from typing import Any
 
 import torch
 
+from elastic_train.checkpoint.api import (
+    CheckpointInfo,
+    CheckpointStorage,
+    PayloadUpload,
+    Serialized,
+    Verdict,
+)
 from elastic_train.checkpoint.object_keys import PAYLOAD_KEY, STEP_DIR, payload_name
 from elastic_train.checkpoint.object_store import Listed, ObjectStore
 from elastic_train.checkpoint.storage import (
     MANIFEST,
-    CheckpointInfo,
-    Serialized,
-    Verdict,
     build_manifest,
     load_payload,
     manifest_problem,
@@ -47,10 +51,6 @@ from elastic_train.checkpoint.storage import (
     unreadable_verdict,
 )
 from elastic_train.errors import CheckpointCorruptError, StorageError
-
-PayloadUpload = Callable[[ObjectStore, str, Serialized], bool]
-"""Uploads a save's payload to ``(store, key)`` for it: the agent's holder, which keeps
-the same bytes (agent/write_behind.py). False: it could not try, the store uploads it."""
 
 
 class ObjectPath(str):
@@ -74,8 +74,10 @@ class ObjectCheckpointInfo(CheckpointInfo):
         return sum(int(f["bytes"]) for f in self.manifest["files"].values())
 
 
-class ObjectCheckpointStore:
-    """The checkpoints of one run directory in an object store (storage.py's interface)."""
+class ObjectCheckpointStore(CheckpointStorage):
+    """The checkpoints of one run directory in an object store (api.py's contract)."""
+
+    remote = True
 
     def __init__(self, objects: ObjectStore, prefix: str) -> None:
         self.objects = objects
@@ -118,7 +120,8 @@ class ObjectCheckpointStore:
         serialized = payload if isinstance(payload, Serialized) else serialize(payload)
         hook("payload-written")
         try:
-            if upload is None or not upload(self.objects, payload_key, serialized):
+            if upload is None or not upload(self._url(f"{directory}/{name}"),
+                                            self.objects.client_options(), serialized):
                 self.objects.upload(payload_key, serialized.data)
             hook("payload-synced")
             manifest = build_manifest(step, meta, {name: {"bytes": serialized.bytes,

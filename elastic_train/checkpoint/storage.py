@@ -28,12 +28,18 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from elastic_train.checkpoint.api import (
+    CheckpointInfo,
+    CheckpointStorage,
+    PayloadUpload,
+    Serialized,
+    Verdict,
+)
 from elastic_train.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -56,45 +62,6 @@ def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What the manifest of one checkpoint says (``manifest`` is None when it is unreadable)."""
-
-    path: Path
-    step: int
-    manifest: Mapping[str, Any] | None
-    problem: str | None = None
-
-    @property
-    def world_size(self) -> int | None:
-        return None if self.manifest is None else self.manifest.get("world_size")
-
-    @property
-    def time(self) -> float | None:
-        return None if self.manifest is None else self.manifest.get("time")
-
-    @property
-    def size_bytes(self) -> int:
-        if self.manifest is None:
-            return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
-        return sum(int(f["bytes"]) for f in self.manifest["files"].values())
-
-    @property
-    def model_digest(self) -> str | None:
-        return None if self.manifest is None else self.manifest.get("model_digest")
-
-
-@dataclass
-class Verdict:
-    """The result of verifying one checkpoint's bytes."""
-
-    info: CheckpointInfo
-    valid: bool
-    problem: str | None = None
-    checked_bytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class _HashingWriter:
     """A file wrapper that hashes and counts what passes through ``write``."""
 
@@ -115,19 +82,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self._file.flush()
-
-
-@dataclass(frozen=True)
-class Serialized:
-    """A payload serialised once (torch.save), with its checksum: what the memory tier and
-    an object store are given, and what a local write can take instead of the state."""
-
-    data: bytes | memoryview
-    sha256: str
-
-    @property
-    def bytes(self) -> int:
-        return len(self.data)
 
 
 def serialize(payload: Mapping[str, Any]) -> Serialized:
@@ -261,8 +215,8 @@ def _sha256_file(path: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-class CheckpointStore:
-    """The checkpoints of one run directory."""
+class CheckpointStore(CheckpointStorage):
+    """The checkpoints of one run directory, on a filesystem (local or shared)."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -270,13 +224,15 @@ class CheckpointStore:
     # ---- writing -------------------------------------------------------------------------
     def write(self, step: int, payload: Mapping[str, Any] | Serialized, meta: Mapping[str, Any],
               *, fault_hook: Any = None,
-              before_commit: Callable[[], None] | None = None) -> CheckpointInfo:
+              before_commit: Callable[[], None] | None = None,
+              upload: PayloadUpload | None = None) -> CheckpointInfo:
         """Atomically write ``payload`` as checkpoint ``step``; return its info.
 
         ``meta`` goes into the manifest (world size, model digest and shapes, task, ...).
         ``fault_hook(stage)`` is called between the stages of the save (tests crash there).
         ``before_commit()`` runs just before the rename; what it raises abandons the save
-        (the writer fence, fence.py).
+        (the writer fence, fence.py). ``upload`` is for remote stores: a local write has
+        nothing to upload (``remote`` is False, so the manager never gives one).
         """
         hook = fault_hook or (lambda stage: None)
         self.root.mkdir(parents=True, exist_ok=True)
