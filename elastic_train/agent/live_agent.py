@@ -505,12 +505,11 @@ class LiveRecoveryAgent(TorchAgent):
 
     # ---- rendezvous rounds -------------------------------------------------------------------
     def rendezvous(self, worker_group: WorkerGroup) -> None:
-        """torch's round, and the next one when a member was lost right after it closed
-        (agent/round_ranks.py): rank 0 removes that member from the rendezvous first."""
+        """torch's round; the next one without a member lost right after it (round_ranks.py)."""
         handler = worker_group.spec.rdzv_handler
-        rendezvous_until_ranked(
+        rendezvous_until_ranked(  # the workers may wait for the lost one: no last call
             lambda: self.torch_rendezvous(worker_group),
-            lambda ranks: forget_nodes(handler, round_node_ids(handler, ranks)))
+            lambda ranks: forget_nodes(handler, round_node_ids(handler, ranks), stalled=True))
 
     def assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
                             spec: WorkerSpec) -> list[Worker]:
@@ -518,8 +517,9 @@ class LiveRecoveryAgent(TorchAgent):
         self._round_ours = ()
         if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":  # no store: torch's
             return super().assign_worker_ranks(store, group_rank, group_world_size, spec)
+        node, handler = self._node, spec.rdzv_handler
         r = assign_round_ranks(store, group_rank, group_world_size, spec.role,
-                               spec.local_world_size)
+                               spec.local_world_size, node and node.silent_in_round(handler))
         self._round_ours = r.ours
         return [Worker(local_rank=i, global_rank=r.base_global_rank + i,
                        role_rank=r.base_role_rank + i, world_size=r.global_world_size,

@@ -36,6 +36,7 @@ from elastic_train.agent.worker_messages import WorkerMessages
 from elastic_train.live.coordination import FOLLOW_SECONDS, Coordinator
 from elastic_train.live.peers import PeerStores, bounded
 from elastic_train.live.plan import Plan
+from elastic_train.rendezvous.forget import round_node_ids
 
 __all__ = ["LiveNode"]
 
@@ -98,6 +99,20 @@ class LiveNode:
         if self.silence is None or plan is None:
             return contextlib.nullcontext()
         return self.silence.left_out_of_the_round(plan, handler)
+
+    def silent_in_round(self, handler: RendezvousHandler) -> Callable[[list[int]], bool]:
+        """Whether a member of the round ``handler`` just closed, by its rank there, is an
+        agent of the current generation that the failure detector suspects (its wait ends
+        at once: agent/round_ranks.py)."""
+
+        def silent(ranks: list[int]) -> bool:
+            plan, suspects = self.coordinator.plan, self.silent()
+            if plan is None or not suspects:
+                return False
+            nodes = {m.rdzv_node for m in plan.members if m.agent in suspects}
+            return bool(nodes & set(round_node_ids(handler, ranks)))
+
+        return silent
 
     def silent(self) -> set[str]:
         """Members of the current generation the failure detector suspects now."""

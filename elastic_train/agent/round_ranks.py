@@ -57,29 +57,44 @@ class RoundRanks:
     there was lost, not a plain torchrun agent."""
 
 
+def _nobody(group_ranks: list[int]) -> bool:
+    return False
+
+
 def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int, role: str,
-                       local_world_size: int, seconds: float = MEMBERS_SECONDS
-                       ) -> RoundRanks:
+                       local_world_size: int,
+                       silent: Callable[[list[int]], bool] | None = None,
+                       seconds: float = MEMBERS_SECONDS) -> RoundRanks:
     """torch's rank assignment of a closed round (same keys, same values), each wait
     bounded by ``seconds``; ``RoundMemberLostError`` names the members still missing
-    (rank 0; the others cannot tell who is)."""
-    deadline = time.monotonic() + seconds
+    (rank 0; the others name rank 0 when it is silent, else nobody). ``silent(ranks)``:
+    whether the failure detector suspects one of these members; a wait for a suspect ends
+    at once (the fault campaign, etcd-v3 seed 810: a node frozen right after the round
+    closed held the others 9 s here)."""
+    silent = silent or _nobody
+    began = time.monotonic()
+    deadline = began + seconds
     store.set(f"{ROLE_INFO_PREFIX}{group_rank}", json.dumps(
         {"role": role, "rank": group_rank, "local_world_size": local_world_size,
          OURS_FIELD: 1}).encode())
     ours: tuple[int, ...] = ()
     if group_rank == 0:
         keys = [f"{ROLE_INFO_PREFIX}{i}" for i in range(group_world_size)]
-        missing = _wait_for(store, keys, deadline)
+
+        def ranks(of: list[str]) -> list[int]:
+            return [int(k[len(ROLE_INFO_PREFIX):]) for k in of]
+
+        missing = _wait_for(store, keys, deadline, lambda left: silent(ranks(left)))
         if missing:
-            raise RoundMemberLostError(
-                [int(k[len(ROLE_INFO_PREFIX):]) for k in missing], group_world_size, seconds)
+            raise RoundMemberLostError(ranks(missing), group_world_size,
+                                       _waited(began, seconds))
         infos = store.multi_get(keys)
         store.multi_set(*_assigned(infos))
         ours = tuple(i for i, info in enumerate(infos) if json.loads(info).get(OURS_FIELD))
     mine = f"{ASSIGNED_RANKS_PREFIX}{group_rank}"
-    if _wait_for(store, [mine], deadline):
-        raise RoundMemberLostError([], group_world_size, seconds)
+    if _wait_for(store, [mine], deadline, lambda _: silent([0])):
+        raise RoundMemberLostError([0] if silent([0]) else [], group_world_size,
+                                   _waited(began, seconds))
     return RoundRanks(*json.loads(store.get(mine)), ours=ours)
 
 
@@ -101,11 +116,27 @@ def _assigned(infos: list[bytes]) -> tuple[list[str], list[str]]:
     return keys, values
 
 
-def _wait_for(store: dist.Store, keys: list[str], deadline: float) -> list[str]:
-    """Poll until every key of ``keys`` exists or ``deadline``; the keys still missing."""
-    if poll_for(store, keys, deadline - time.monotonic()):
-        return []
-    return [k for k in keys if not store.check([k])]
+def _waited(began: float, bound: float) -> float:
+    """The seconds a wait took, as its error says them: the bound once it passed."""
+    took = time.monotonic() - began
+    return bound if took >= bound else round(took, 1)
+
+
+SILENT_CHECK_SECONDS = 0.25
+"""How often a wait asks whether a missing member is silent (``assign_round_ranks``)."""
+
+
+def _wait_for(store: dist.Store, keys: list[str], deadline: float,
+              give_up: Callable[[list[str]], bool]) -> list[str]:
+    """Poll until every key of ``keys`` exists, ``deadline``, or ``give_up(missing keys)``;
+    the keys still missing."""
+    while True:
+        left = deadline - time.monotonic()
+        if poll_for(store, keys, min(SILENT_CHECK_SECONDS, max(0.0, left))):
+            return []
+        missing = [k for k in keys if not store.check([k])]
+        if missing and (time.monotonic() >= deadline or give_up(missing)):
+            return missing
 
 
 ROUND_ATTEMPTS = 10

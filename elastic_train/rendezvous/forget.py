@@ -70,9 +70,12 @@ def rendezvous_node_id(handler: RendezvousHandler) -> str:
 
 def round_node_ids(handler: RendezvousHandler, group_ranks: Collection[int]) -> list[str]:
     """The nodes (as ``forget_nodes`` takes them) holding ``group_ranks`` in the round
-    ``handler`` last closed: torch's dynamic rendezvous only (its next round waits for every
-    member of this one); [] for any other handler (the lease design's next round waits for
-    no old member)."""
+    ``handler`` last closed: torch's dynamic rendezvous (its next round waits for every
+    member of this one), or a handler of our own that says (etcd-v3's leases: its next
+    round waits for this one's live members); [] for any other handler."""
+    own = getattr(handler, "round_node_ids", None)
+    if callable(own):
+        return list(own(group_ranks))
     if state_holder(handler) is None:
         return []
     try:
@@ -87,21 +90,23 @@ def round_node_ids(handler: RendezvousHandler, group_ranks: Collection[int]) -> 
 
 
 def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str],
-                 coordinator: bool = True) -> list[str]:
+                 coordinator: bool = True, stalled: bool = False) -> list[str]:
     """Remove the nodes ``node_ids`` (``rendezvous_node_id`` of their agents) from the
     current round of ``handler``'s rendezvous now, as their heartbeats' expiry would later;
     the ids removed. Every member of the re-formed world calls it: a handler of our own
     forgets locally (etcd-v3's leases: the lost node's lease expiring later is then no
     news); torch's dynamic rendezvous keeps one shared state, which only the
-    ``coordinator`` of the re-formation writes. Never raises for the rendezvous' sake: on
-    any error the nodes simply expire as before (logged)."""
+    ``coordinator`` of the re-formation writes. ``stalled``: the world's workers wait for
+    these nodes, so the next round must not wait its last call (a handler of our own only).
+    Never raises for the rendezvous' sake: on any error the nodes simply expire as before
+    (logged)."""
     wanted = {n for n in node_ids if n}
     if not wanted:
         return []
     try:
         own = getattr(handler, "forget_nodes", None)
         if callable(own):
-            return list(own(wanted))
+            return list(own(wanted, stalled=True) if stalled else own(wanted))
         if not coordinator:
             return []
         holder = state_holder(handler)

@@ -385,6 +385,25 @@ def test_replay_a_one_way_loss_as_a_node_joins_holds_no_step_for_the_lease(
 
 
 @pytest.mark.extended
+def test_replay_a_node_frozen_right_after_its_round_closed_holds_no_step_for_long(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by the soak of ec8d1c5 (etcd-v3 seed 810, fault 14): node A froze 9.1 s right
+    after the round it formed with B (back from a kill) and C closed; C's failure detector
+    suspected A 1.4 s in, but C's rank assignment waited for A's role until A thawed:
+    9.18 s to the next step. A wait for a suspected member now ends at once, and the next
+    round, which the survivors enter without it, closes without its last call. Where the
+    freeze lands decides; the replay does not always put it there."""
+    setup = Setup()
+    schedule = make_schedule(810, 15, setup.names, list(KINDS), nproc=setup.nproc)
+    assert schedule.faults[14].kind == "freeze"
+    run = campaign(netbed, tmp_path, setup, schedule, disk=True)
+    show(run)
+    assert_clean(run)
+    last = run.records[-1]
+    assert last.next_step is not None and last.next_step < 4.0, last
+
+
+@pytest.mark.extended
 def test_replay_a_frozen_node_whose_lease_expires_later_ends_nothing(
         netbed: Factory, tmp_path: Path) -> None:
     """Found on main: node C frozen 7-13 s; the world re-formed without it in 1.5 s, then

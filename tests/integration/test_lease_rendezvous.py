@@ -235,6 +235,33 @@ def test_a_member_left_out_while_the_next_round_forms_is_not_waited_for(kv: KV) 
     assert silent._lease.id and not silent._lease.lost   # alive all along, only silent
 
 
+def test_a_member_lost_right_after_its_round_closed_holds_the_next_round_for_nothing(
+        etcd_v3: EtcdServer) -> None:
+    """The fault campaign, etcd-v3 seed 810: round 0 closed with three nodes, one froze
+    right after; the others' rank assignment named it lost (its failure detector's
+    suspicion) and they went into the next round. That round must neither wait for the
+    frozen member (alive by its lease) nor its last call (the survivors' workers wait for
+    it in a collective): its rank is its node (``round_node_ids``), which the survivors
+    leave out with ``stalled``."""
+    from elastic_train.rendezvous.forget import forget_nodes, round_node_ids
+
+    kv = real_kv(etcd_v3)
+    run_id = uuid.uuid4().hex
+    slow = {"lease_ttl": 30, "last_call_timeout": 30}
+    members = [handler(kv, run_id, 1, 3, i, **slow) for i in range(3)]
+    ranks = run_threads(lambda i: members[i].next_rendezvous().rank, 3)
+    frozen_rank = ranks[2]
+    survivors = members[:2]
+    assert round_node_ids(survivors[0], [frozen_rank]) == [members[2].node]
+    began = time.monotonic()
+    for member in survivors:
+        assert forget_nodes(member, round_node_ids(member, [frozen_rank]), stalled=True) \
+            == [members[2].node]
+    worlds = run_threads(lambda i: survivors[i].next_rendezvous().world_size, 2)
+    assert worlds == [2, 2] and time.monotonic() - began < 10
+    assert not members[2]._lease.lost                   # alive all along, only frozen
+
+
 def test_the_next_round_waits_for_no_member_the_world_left_out_or_whose_lease_expired(
         etcd_v3: EtcdServer) -> None:
     """Round 1 waits only for members of round 0 that are alive: one that live recovery

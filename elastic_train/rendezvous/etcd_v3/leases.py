@@ -23,11 +23,9 @@ Requests per node per rendezvous: O(1), about 5 (read ``closed`` and ``latest``,
 that writes the node key and claims or reads the coordinator key, one watch, the store's
 address); the coordinator also reads the round once (docs/rendezvous-at-scale.md).
 
-What an agent that re-forms the world in place (live recovery) drives: ``next_rendezvous``
-touches etcd and this node's lease only, never the workers, so it can form the next round
-while the workers stay alive; ``world`` is the round's members in rank order (stable across
-rounds), ``num_nodes_waiting`` says when a new round is needed, ``leave`` drops this node
-without closing the rendezvous.
+For live recovery: ``next_rendezvous`` touches etcd and this node's lease only, never the
+workers (they train on while the next round forms); ``world`` is the round's members in
+rank order; ``leave`` drops this node without closing the rendezvous.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import TypeVar
 
@@ -119,10 +117,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._lost: dict[str, float] = {}  # members whose lease expired: since when
         self.lost_grace = 0.0
         """Seconds a member's expired lease waits before it makes the world re-form by a
-        new round (``num_nodes_waiting``). Live recovery sets it just above its failure
-        detector's timeout: a member silent for good is then left out in place by the
-        detector, and ``forget_nodes`` makes the expiry no news (the fault campaign, seed
-        300: a new round cost a pulled cable 6 s instead of 1.5 s)."""
+        new round: live recovery sets it above its failure detector's timeout, which leaves
+        the member out in place first (the fault campaign, seed 300: 6 s, not 1.5 s)."""
         self._forgotten: set[str] = set()  # members left out in place (``forget_nodes``)
         self._member_key: str | None = None  # our node key in the round we are a member of
         self._joining: int | None = None  # the round a join in progress is in
@@ -194,21 +190,25 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """This agent's node in the rendezvous (rendezvous/forget.py)."""
         return self.node
 
-    def forget_nodes(self, nodes: set[str]) -> list[str]:
-        """Live recovery re-formed the world without ``nodes`` (rendezvous/forget.py): their
-        leases expiring later is no news. Every agent of the world calls it for the members
-        its plan lost; their keys in the round are deleted (in the background, best effort:
-        a live recovery never waits for etcd), so that a next round, which waits for the
-        members of this one that are alive (rounds.py), does not wait for their leases to
-        expire. A node left out that is alive after all joins that round as any other.
-        Also while this node joins the next round (docs/several-nodes.md, seed 801)."""
+    def round_node_ids(self, group_ranks: Collection[int]) -> list[str]:
+        """The nodes of ``group_ranks`` in the round this node last joined (rank order)."""
+        members = self.world.members if self.world is not None else ()
+        return [members[r] for r in group_ranks if 0 <= r < len(members)]
+
+    def forget_nodes(self, nodes: set[str], stalled: bool = False) -> list[str]:
+        """The world goes on without ``nodes`` (rendezvous/forget.py): their keys in the
+        round are deleted (in the background: never wait for etcd), so that the next round,
+        which waits for this one's live members (rounds.py), does not wait for their leases;
+        their leases expiring later is no news. During this node's join, or when
+        ``stalled`` (the world's workers wait for them), the round joined now or next
+        closes without its last call (docs/several-nodes.md, seeds 801 and 810)."""
         world = self.world if self.world is not None else self._last_world
         members = set(world.members) if world is not None else set()
         found = sorted((nodes & members) - {self.node})
         self._forgotten.update(found)
         for node in found:
             self._lost.pop(node, None)
-        joining = self._joining if self.world is None else None
+        joining = self._joining if self.world is None else world.round + 1 if stalled else None
         if found and world is not None:
             keys = [self.keys.node(world.round, node) for node in found]
             threading.Thread(target=self._delete_quietly, args=(keys, joining), daemon=True,
@@ -216,7 +216,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         return found
 
     def _delete_quietly(self, keys: list[str], joining: int | None) -> None:
-        """Delete ``keys``; mark the round this node joins (if any) stalled (rounds.py)."""
+        """Delete ``keys``; mark round ``joining`` (if any) stalled (rounds.py)."""
         try:
             for key in keys:
                 self._kv.delete(key)
