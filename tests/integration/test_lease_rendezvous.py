@@ -205,11 +205,11 @@ def test_a_member_left_out_while_the_next_round_forms_is_not_waited_for(kv: KV) 
     from elastic_train.rendezvous.forget import forget_nodes
 
     run_id = uuid.uuid4().hex
-    slow = {"lease_ttl": 30, "last_call_timeout": 30}
-    members = [handler(kv, run_id, 1, 3, i, **slow) for i in range(2)]
+    members = [handler(kv, run_id, 1, 3, i, lease_ttl=30) for i in range(2)]
     run_threads(lambda i: members[i].next_rendezvous(), 2)
     staying, silent = members
-    newcomer = handler(kv, run_id, 1, 3, 2, **slow)
+    # it opens round 1 and closes it: its last call is the round's
+    newcomer = handler(kv, run_id, 1, 3, 2, lease_ttl=30, last_call_timeout=30)
     joined: dict[str, tuple[int, int]] = {}
 
     def join(name: str, node: LeaseRendezvousHandler) -> None:
