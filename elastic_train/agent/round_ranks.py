@@ -129,12 +129,13 @@ SILENT_CHECK_SECONDS = 0.25
 def _wait_for(store: dist.Store, keys: list[str], deadline: float,
               give_up: Callable[[list[str]], bool]) -> list[str]:
     """Poll until every key of ``keys`` exists, ``deadline``, or ``give_up(missing keys)``;
-    the keys still missing."""
+    the keys still missing (a key, once set, stays: only those missing are asked again)."""
+    missing = keys
     while True:
         left = deadline - time.monotonic()
-        if poll_for(store, keys, min(SILENT_CHECK_SECONDS, max(0.0, left))):
+        if poll_for(store, missing, min(SILENT_CHECK_SECONDS, max(0.0, left))):
             return []
-        missing = [k for k in keys if not store.check([k])]
+        missing = [k for k in missing if not store.check([k])]
         if missing and (time.monotonic() >= deadline or give_up(missing)):
             return missing
 

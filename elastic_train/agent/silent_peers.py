@@ -39,12 +39,12 @@ class SilentPeers:
         self._check_store = check_store
         self._store_check: threading.Thread | None = None
         self._silenced: set[str] = set()
-        self._listeners: list[Callable[[set[str]], None]] = []
         """Peers the detector suspected since this agent adopted its plan, kept even if they
         answer again: the loop may have been blocked meanwhile (torch's c10d handler waits
         on a store that the cut-off side cannot reach), and a peer that fell silent may
         have re-formed the world without this node, whose workers then wait in a
         collective of the old one. A false suspicion costs a re-formation, no more."""
+        self._listeners: list[Callable[[set[str]], None]] = []  # ``telling``
         self._heartbeats = PeerHeartbeats(listen_host or "0.0.0.0", on_suspect=self._on_silent,
                                           timeout=timeout)
         self.beat = self._heartbeats.beat_address(advertised_host)

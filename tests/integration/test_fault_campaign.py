@@ -70,6 +70,21 @@ def replay(netbed: Factory, tmp_path: Path, folder: str, seed: int, setup: Setup
     assert_clean(run)
 
 
+def replay_prefix(netbed: Factory, tmp_path: Path, seed: int, faults: int,
+                  kinds: dict[int, str], within: float) -> None:
+    """Run the first ``faults`` faults of a soak's seed again (the schedule is made from the
+    seed, as the soak made it; ``kinds`` checks that it is the same), the run dir on a small
+    disk: nothing breaks, and the last fault costs less than ``within`` s to the next step."""
+    setup = Setup()
+    schedule = make_schedule(seed, faults, setup.names, list(KINDS), nproc=setup.nproc)
+    assert {i: schedule.faults[i].kind for i in kinds} == kinds
+    run = campaign(netbed, tmp_path, setup, schedule, disk=True)
+    show(run)
+    assert_clean(run)
+    last = run.records[-1]
+    assert last.next_step is not None and last.next_step < within, last
+
+
 def assert_clean(run: Campaign) -> None:
     assert not run.violations, "\n".join(map(str, run.violations)) + "\n" + run.report_nodes()
 
@@ -354,14 +369,7 @@ def test_replay_a_join_after_a_one_way_loss_waits_for_no_tcp_backoff(
     that store from an earlier generation, on which TCP's retransmission backoff after the
     loss held their ``add`` about 10 s: the join, and the next fault (a full disk here)
     cost 11.7-12.0 s to the next step, 0.08 s on a connection per generation."""
-    setup = Setup()
-    schedule = make_schedule(572, 7, setup.names, list(KINDS), nproc=setup.nproc)
-    assert (schedule.faults[5].kind, schedule.faults[6].kind) == ("one_way", "disk_full")
-    run = campaign(netbed, tmp_path, setup, schedule, disk=True)
-    show(run)
-    assert_clean(run)
-    last = run.records[-1]
-    assert last.next_step is not None and last.next_step < 3.0, last
+    replay_prefix(netbed, tmp_path, 572, 7, {5: "one_way", 6: "disk_full"}, within=3.0)
 
 
 @pytest.mark.extended
@@ -370,18 +378,10 @@ def test_replay_a_one_way_loss_as_a_node_joins_holds_no_step_for_the_lease(
     """Found by the soak of cde80ca (etcd-v3 seed 801, fault 4): node C, killed while it
     joined (fault 3), came back; A and B, training at 2, went into the round C opened,
     and B's outgoing packets were dropped just then. The round waited for B, alive by its
-    lease, and A's workers, in a collective with B's, did no step for 7.04 s, until B's
-    lease ran out. A's failure detector found B silent during the round: B now leaves the
-    rendezvous at once, and the round closes with A and C."""
-    setup = Setup()
-    schedule = make_schedule(801, 5, setup.names, list(KINDS), nproc=setup.nproc)
-    assert (schedule.faults[3].kind, schedule.faults[4].kind) == ("kill_while_joining",
-                                                                  "one_way")
-    run = campaign(netbed, tmp_path, setup, schedule, disk=True)
-    show(run)
-    assert_clean(run)
-    last = run.records[-1]
-    assert last.next_step is not None and last.next_step < 3.0, last
+    lease, then for its 5 s last call, and A's workers, in a collective with B's, did no
+    step for 7.04 s. A's failure detector found B silent during the round: B now leaves
+    the rendezvous at once, and the round closes with A and C without its last call."""
+    replay_prefix(netbed, tmp_path, 801, 5, {3: "kill_while_joining", 4: "one_way"}, within=3.0)
 
 
 @pytest.mark.extended
@@ -393,14 +393,7 @@ def test_replay_a_node_frozen_right_after_its_round_closed_holds_no_step_for_lon
     9.18 s to the next step. A wait for a suspected member now ends at once, and the next
     round, which the survivors enter without it, closes without its last call. Where the
     freeze lands decides; the replay does not always put it there."""
-    setup = Setup()
-    schedule = make_schedule(810, 15, setup.names, list(KINDS), nproc=setup.nproc)
-    assert schedule.faults[14].kind == "freeze"
-    run = campaign(netbed, tmp_path, setup, schedule, disk=True)
-    show(run)
-    assert_clean(run)
-    last = run.records[-1]
-    assert last.next_step is not None and last.next_step < 4.0, last
+    replay_prefix(netbed, tmp_path, 810, 15, {14: "freeze"}, within=4.0)
 
 
 @pytest.mark.extended

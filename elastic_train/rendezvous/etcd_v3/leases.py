@@ -208,10 +208,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._forgotten.update(found)
         for node in found:
             self._lost.pop(node, None)
-        joining = self._joining if self.world is None else world.round + 1 if stalled else None
-        if found and world is not None:
+        if found and world is not None:  # mark stalled: the round being joined, or the next
+            mark = self._joining if self.world is None else world.round + 1 if stalled else None
             keys = [self.keys.node(world.round, node) for node in found]
-            threading.Thread(target=self._delete_quietly, args=(keys, joining), daemon=True,
+            threading.Thread(target=self._delete_quietly, args=(keys, mark), daemon=True,
                              name="etcd-v3-forget").start()
         return found
 
