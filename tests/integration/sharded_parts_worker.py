@@ -8,6 +8,14 @@ another seed at this world size, filled from those parts by
 ``sharded.restore_from_parts``; each rank writes
 ``DIR/load-W-R.json``: how many parts it read, and whether every whole tensor is the
 saved one, bit for bit.
+
+It ends as our own workers end (``process_exit.exit_command``: atexit handlers, streams
+flushed, then ``os._exit``), not through the interpreter's teardown: gloo's thread frees the
+barrier's work, and with it the full tensors of the all-gathers before it, a moment after
+the barrier's waiter woke; if the interpreter is finalizing by then, that thread cannot take
+the GIL to drop their Python objects and the process aborts ("terminate called without an
+active exception", SIGABRT; 2 of 8 runs of ``save`` here, the core showed
+~AsyncBarrierWork -> ~AsyncAllgatherCoalescedWork -> decref_pyobject -> take_gil).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from torch import nn
 
 from elastic_train.checkpoint import sharded
 from elastic_train.checkpoint.snapshot import SnapshotBuffers
+from elastic_train.process_exit import exit_command
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.sharding import shard_model
 
@@ -104,3 +113,4 @@ def main(phase: str, folder: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    exit_command(0)
