@@ -41,6 +41,12 @@ ranks (the others). Members leave a closed round within about a second of each o
 rendezvous is polled every second); a member still missing after this was lost."""
 OURS_FIELD = "elastic_train"
 """A field our agents add to torch's role info (torch's reader ignores it)."""
+GIVEN_UP_KEY = "elastic_train/ranks_given_up"
+"""Written in the round's store by the first member that gives up on its rank assignment
+(JSON: the members it missed): every other member's wait then ends at once, not at its
+bound. A member whose failure detector does not watch the lost one (a node that joins)
+waited its whole bound for ranks the round's rank 0 was never going to write (the fault
+campaign, c10d seed 863: 10 s, and the next round waited for it meanwhile)."""
 
 
 @dataclass(frozen=True)
@@ -84,18 +90,40 @@ def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int
         def ranks(of: list[str]) -> list[int]:
             return [int(k[len(ROLE_INFO_PREFIX):]) for k in of]
 
-        missing = _wait_for(store, keys, deadline, lambda left: silent(ranks(left)))
+        missing = _wait_for(store, keys, deadline,
+                            lambda left: silent(ranks(left)) or _given_up(store))
         if missing:
-            raise RoundMemberLostError(ranks(missing), group_world_size,
-                                       _waited(began, seconds))
+            lost = _given_up(store) or ranks(missing)
+            _give_up(store, lost)
+            raise RoundMemberLostError(lost, group_world_size, _waited(began, seconds))
         infos = store.multi_get(keys)
         store.multi_set(*_assigned(infos))
         ours = tuple(i for i, info in enumerate(infos) if json.loads(info).get(OURS_FIELD))
     mine = f"{ASSIGNED_RANKS_PREFIX}{group_rank}"
-    if _wait_for(store, [mine], deadline, lambda _: silent([0])):
-        raise RoundMemberLostError([0] if silent([0]) else [], group_world_size,
-                                   _waited(began, seconds))
+    if _wait_for(store, [mine], deadline, lambda _: silent([0]) or _given_up(store)):
+        lost = _given_up(store) or ([0] if silent([0]) else [])
+        _give_up(store, lost)
+        raise RoundMemberLostError(lost, group_world_size, _waited(began, seconds))
     return RoundRanks(*json.loads(store.get(mine)), ours=ours)
+
+
+def _give_up(store: dist.Store, lost: list[int]) -> None:
+    """Tell the round's other members that this one gave up on it (``GIVEN_UP_KEY``);
+    the first word stays. Best effort: the others' bound still holds."""
+    try:
+        store.compare_set(GIVEN_UP_KEY, "", json.dumps(lost))
+    except Exception as exc:  # the store may be the lost member's
+        log.debug("could not tell the round that this member gave up: %s", exc)
+
+
+def _given_up(store: dist.Store) -> list[int] | None:
+    """The members another member of the round gave up on (None: nobody gave up)."""
+    try:
+        if not store.check([GIVEN_UP_KEY]):
+            return None
+        return [int(r) for r in json.loads(store.get(GIVEN_UP_KEY))]
+    except Exception:  # read as nobody: the bound holds
+        return None
 
 
 def _assigned(infos: list[bytes]) -> tuple[list[str], list[str]]:

@@ -30,6 +30,8 @@ failure detector act first on a member whose lease just expired (``defer_lease_l
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
@@ -38,6 +40,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
 from elastic_train.rendezvous.torch_seams import (
     heartbeat_lock,
+    private_state_holder,
     remove_expired_nodes,
     rendezvous_state,
     state_holder,
@@ -90,7 +93,8 @@ def round_node_ids(handler: RendezvousHandler, group_ranks: Collection[int]) -> 
 
 
 def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str],
-                 coordinator: bool = True, stalled: bool = False) -> list[str]:
+                 coordinator: bool = True, stalled: bool = False,
+                 in_round: bool = False, staying: Collection[str] = ()) -> list[str]:
     """Remove the nodes ``node_ids`` (``rendezvous_node_id`` of their agents) from the
     current round of ``handler``'s rendezvous now, as their heartbeats' expiry would later;
     the ids removed. Every member of the re-formed world calls it: a handler of our own
@@ -98,6 +102,13 @@ def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str],
     news); torch's dynamic rendezvous keeps one shared state, which only the
     ``coordinator`` of the re-formation writes. ``stalled``: the world's workers wait for
     these nodes, so the next round must not wait its last call (a handler of our own only).
+    ``in_round``: the caller's agent waits in a round of ``handler`` meanwhile (a node
+    joins), whose next round begins only when every member of the last one left it: any
+    member writes torch's state then, through a holder of its own (the fault campaign,
+    c10d seeds 862 and 863: a member frozen or cut off as a node joined held the round,
+    and every step, 7.7-15.7 s, until it was back). ``staying``: with ``in_round``, the
+    nodes of the caller's world that stay; once the next round holds them and the nodes
+    that waited for it, it closes without its last call (``close_without_last_call``).
     Never raises for the rendezvous' sake: on any error the nodes simply expire as before
     (logged)."""
     wanted = {n for n in node_ids if n}
@@ -107,6 +118,19 @@ def forget_nodes(handler: RendezvousHandler, node_ids: Collection[str],
         own = getattr(handler, "forget_nodes", None)
         if callable(own):
             return list(own(wanted, stalled=True) if stalled else own(wanted))
+        if in_round:
+            holder = private_state_holder(handler)
+            if holder is None:
+                return []
+            removed = _forget(holder, wanted)
+            if removed and staying:
+                state = holder.state
+                expected = set(staying) | {repr(n) for n in state.wait_list}
+                forming = state.round + 1 if state.complete else state.round
+                threading.Thread(target=close_without_last_call, name="rdzv-no-last-call",
+                                 args=(holder, expected - wanted, forming),
+                                 daemon=True).start()
+            return removed
         if not coordinator:
             return []
         holder = state_holder(handler)
@@ -149,6 +173,49 @@ def _forget(holder: Any, wanted: set[str]) -> list[str]:
     log.warning("could not remove the lost node(s) %s from the rendezvous in %d attempts: "
                 "they leave it when their heartbeats expire", sorted(wanted), FORGET_ATTEMPTS)
     return []
+
+
+NEXT_ROUND_SECONDS = 15.0
+"""How long ``close_without_last_call`` watches for the next round to hold every node it
+expects (the survivors leave the last round within about a second of each other; a node
+that waited for it comes when it opens) before leaving that round to its last call."""
+NEXT_ROUND_POLL_SECONDS = 0.1
+
+
+def close_without_last_call(holder: Any, expected: set[str], forming: int,
+                            seconds: float = NEXT_ROUND_SECONDS) -> bool:
+    """Once round ``forming`` holds every node of ``expected`` (and is still open), bring
+    its last call forward to now: the round a lost member held waited for it,
+    and the nodes the world wants are all there (torch's round would otherwise wait its
+    last call, 5 s, for nodes nobody expects: the fault campaign's c10d replay of seed 863,
+    5.5 s to the next step after the member was left out). ``holder``: one of this
+    caller's own (torch_seams.private_state_holder). Whether it did; never raises."""
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            holder.sync()
+            state = holder.state
+            if state.closed or state.round > forming or \
+                    (state.round == forming and state.complete):
+                return False  # formed (or ended) meanwhile
+            present = {repr(n) for n in state.participants}
+            if state.round == forming and expected <= present \
+                    and state.deadline is not None:
+                now = datetime.now(UTC)
+                if state.deadline <= now:
+                    return False  # its last call is over: it closes as it is
+                state.deadline = now
+                holder.mark_dirty()
+                if holder.sync():
+                    log.info("the next rendezvous round holds every node expected (%s): it "
+                             "closes without its last call", ", ".join(sorted(expected)))
+                    return True
+                continue  # another node wrote first: look again
+            time.sleep(NEXT_ROUND_POLL_SECONDS)
+    except Exception as exc:  # a shortcut only: the round's last call still ends it
+        log.warning("could not close the next rendezvous round early (%s: %s): it waits its "
+                    "last call", type(exc).__name__, exc)
+    return False
 
 
 def leave_open(handler: RendezvousHandler) -> None:

@@ -6,11 +6,13 @@ other module of rendezvous/ touches one.
 
 - ``JudgingStateHolder``: its state holder, with a say in judging nodes dead;
 - ``rendezvous_state``, ``this_node``, ``new_node_descriptor``, ``state_holder``,
-  ``heartbeat_lock``, ``remove_expired_nodes``, ``stop_heartbeats``.
+  ``private_state_holder``, ``heartbeat_lock``, ``remove_expired_nodes``,
+  ``stop_heartbeats``.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -22,8 +24,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic_train.torch_private import Private
 
 __all__ = ["REQUIRED", "JudgingStateHolder", "heartbeat_lock", "new_node_descriptor",
-           "remove_expired_nodes", "rendezvous_state", "state_holder", "stop_heartbeats",
-           "this_node"]
+           "private_state_holder", "remove_expired_nodes", "rendezvous_state",
+           "state_holder", "stop_heartbeats", "this_node"]
 
 _DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 REQUIRED: tuple[Private, ...] = (
@@ -33,6 +35,18 @@ REQUIRED: tuple[Private, ...] = (
             "JudgingStateHolder, called by remove_expired_nodes", params=()),
     Private(_DYNAMIC, "_BackendRendezvousStateHolder._dead_nodes", "emptied when no node "
             "may be judged dead (JudgingStateHolder)"),
+    Private(_DYNAMIC, "_BackendRendezvousStateHolder._dirty", "cleared in a private "
+            "copy (private_state_holder)"),
+    Private(_DYNAMIC, "_BackendRendezvousStateHolder._last_sync_time", "reset in a "
+            "private copy, so that it reads the backend (private_state_holder)"),
+    Private(_DYNAMIC, "_BackendRendezvousStateHolder._cache_duration", "zero in a private "
+            "copy: each sync reads the backend (private_state_holder)"),
+    Private(_DYNAMIC, "_RendezvousState.deadline", "brought forward when the next round "
+            "holds every node expected (forget.close_without_last_call)"),
+    Private(_DYNAMIC, "_RendezvousState.wait_list", "the nodes waiting for the next round "
+            "(forget.close_without_last_call)"),
+    Private(_DYNAMIC, "_RendezvousState.round", "(forget.close_without_last_call)"),
+    Private(_DYNAMIC, "_RendezvousState.complete", "(forget.close_without_last_call)"),
     Private(_DYNAMIC, "DynamicRendezvousHandler._state_holder", "(rendezvous_state, "
             "state_holder)"),
     Private(_DYNAMIC, "DynamicRendezvousHandler._this_node", "(this_node)"),
@@ -78,6 +92,24 @@ def state_holder(handler: Any) -> Any | None:
     cannot remove expired nodes)."""
     holder = getattr(handler, "_state_holder", None)
     return holder if holder is not None and hasattr(holder, "_sanitize") else None
+
+
+def private_state_holder(handler: Any) -> Any | None:
+    """A state holder of ``handler``'s rendezvous of this caller's own (None where
+    ``state_holder`` is None): it reads and writes the same shared state by the same rules
+    (its class, backend and settings: etcd-v3's outage-aware judging included), with a
+    cache nobody else touches. For a thread that writes while the handler's own holder is
+    in use by its round (``next_rendezvous`` in the agent's loop): torch's holder is not
+    thread-safe; two holders of one state meet by its compare-and-swap."""
+    holder = state_holder(handler)
+    if holder is None:
+        return None
+    own = copy.copy(holder)
+    own._dirty = False
+    own._last_sync_time = -1  # its first sync reads the backend (state and token)
+    own._cache_duration = 0   # and so does every one after it
+    own._dead_nodes = []
+    return own
 
 
 def heartbeat_lock(handler: Any) -> threading.Lock | None:

@@ -65,7 +65,8 @@ def test_members_of_a_round_get_torch_s_numbering_by_role_and_local_world_size()
     store = server()
     sizes = [2, 1, 3]
     got = in_threads([lambda i=i: assign_round_ranks(client(store), i, 3, "trainer",
-                                                     sizes[i], 10.0) for i in range(3)])
+                                                     sizes[i], seconds=10.0)
+                      for i in range(3)])
     # rank 0 also learns that every member is ours (each says what it brings next)
     assert got == [RoundRanks(0, 6, 0, 6, ours=(0, 1, 2)), RoundRanks(2, 6, 2, 6),
                    RoundRanks(3, 6, 3, 6)]
@@ -76,7 +77,7 @@ def test_torch_s_own_agent_and_ours_number_the_same_round_together() -> None:
     store = server()
 
     theirs, ours = in_threads([lambda: torch_member(store, 0, 2, 2), lambda: assign_round_ranks(
-        client(store), 1, 2, "trainer", 3, 10.0)])
+        client(store), 1, 2, "trainer", 3, seconds=10.0)])
     assert [(w.global_rank, w.world_size) for w in theirs] == [(0, 5), (1, 5)]
     assert ours == RoundRanks(2, 5, 2, 5)
 
@@ -189,3 +190,28 @@ def test_a_member_whose_rank_0_is_silent_names_it_at_once() -> None:
     with pytest.raises(RoundMemberLostError) as caught:
         assign_round_ranks(client(master), 1, 2, "r", 1, lambda r: r == [0], seconds=30.0)
     assert caught.value.missing == [0] and time.monotonic() - began < 3.0
+
+
+def test_when_rank_0_gives_up_on_a_silent_member_the_others_stop_waiting_at_once() -> None:
+    """The fault campaign, c10d seed 863: node C froze as the round it formed with A (rank
+    0, whose detector watches C) and a joining node B closed. A gave up on C's role at once
+    and went into the next round; B, whose detector does not watch C, waited its whole
+    10 s for ranks A would never write, and the next round waited for B meanwhile (7.7 s
+    to the next step). Rank 0's word that it gave up ends B's wait, naming C."""
+    master = server()
+    began = time.monotonic()
+    rank_0, rank_1 = in_threads([
+        lambda: assign_round_ranks(client(master), 0, 3, "r", 1, lambda r: 2 in r,
+                                   seconds=30.0),
+        lambda: assign_round_ranks(client(master), 1, 3, "r", 1, seconds=30.0)])
+    assert isinstance(rank_0, RoundMemberLostError) and rank_0.missing == [2]
+    assert isinstance(rank_1, RoundMemberLostError) and rank_1.missing == [2], rank_1
+    assert time.monotonic() - began < 3.0          # 30 s for rank 1 before
+    # a member that gives up because rank 0 is silent tells the others likewise
+    other = server()
+    alone, follower = in_threads([
+        lambda: assign_round_ranks(client(other), 1, 3, "r", 1, lambda r: r == [0],
+                                   seconds=30.0),
+        lambda: assign_round_ranks(client(other), 2, 3, "r", 1, seconds=30.0)])
+    assert isinstance(alone, RoundMemberLostError) and alone.missing == [0]
+    assert isinstance(follower, RoundMemberLostError) and follower.missing == [0]
