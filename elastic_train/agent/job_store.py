@@ -3,9 +3,9 @@
 Every plan is committed by compare-and-swap of the job's plan key (live/coordination.py)
 from the plan it replaces. That key must outlive the rendezvous round, and on a backend
 whose worlds re-form across nodes every agent of the job must reach it: so it lives in the
-rendezvous' own store, under a key of the job. Which backends can hold it is said here
-(``ACROSS_NODES``), and agent/live_agent.py turns live recovery across nodes off on the
-others.
+rendezvous' own store, under a key of the job. Which backends can hold it is said by the
+rendezvous' table (rendezvous/backends.py: ``re_forms_across_nodes``), and
+agent/live_agent.py turns live recovery across nodes off on the others.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
+from elastic_train.rendezvous.backends import names_with
+
 __all__ = ["ACROSS_NODES", "job_store"]
 
-ACROSS_NODES = ("c10d", "etcd-v3")
-"""Rendezvous backends whose jobs re-form in place across nodes (tested with both)."""
+ACROSS_NODES = names_with("re_forms_across_nodes")
+"""Rendezvous backends whose jobs re-form in place across nodes (rendezvous/backends.py;
+tested with each)."""
 
 
 def job_store(worker_group: WorkerGroup, node_store: dist.Store | None) -> dist.Store:

@@ -36,6 +36,7 @@ from elastic_train.agent.worker_messages import WorkerMessages
 from elastic_train.live.coordination import FOLLOW_SECONDS, Coordinator
 from elastic_train.live.peers import PeerStores, bounded
 from elastic_train.live.plan import Plan
+from elastic_train.rendezvous.backends import capabilities
 from elastic_train.rendezvous.forget import round_node_ids
 
 __all__ = ["LiveNode"]
@@ -64,7 +65,7 @@ class LiveNode:
         self.store, host = open_node_store(worker_group, options.listen_host)
         self.address = f"{host}:{self.store.port}"
         """This agent's id in a plan: HOST:PORT of its store."""
-        c10d = worker_group.spec.rdzv_handler.get_backend() == "c10d"
+        c10d = capabilities(worker_group.spec.rdzv_handler.get_backend()).store_in_an_agent
         self.silence: SilentPeers | None = None
         if options.peer_timeout > 0:
             self.silence = SilentPeers(options.listen_host, host, options.peer_timeout,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import uuid
 
 from elastic_train.errors import ConfigError
+from elastic_train.rendezvous.backends import capabilities, names_with
 from elastic_train.rendezvous.heartbeat import check_keep_alive_conf
 
 DEFAULT_BACKEND = "c10d"
@@ -24,16 +25,13 @@ DEFAULT_BACKEND = "c10d"
 # seconds, not a failure), so 5 s, for every backend (etcd-v3: options.SETTINGS).
 LAST_CALL_TIMEOUT = 5.0
 
-# --rdzv-conf defaults per backend of torch's; what the user gives wins. etcd-v3 has its
-# defaults built in (etcd_v3/options.py). Heartbeats keep torch's 5 s x 3 (heartbeat.py).
+# --rdzv-conf defaults per backend of torch's (backends.py: ``short_last_call``); what the
+# user gives wins. etcd-v3 has its defaults built in (etcd_v3/options.py). Heartbeats keep
+# torch's 5 s x 3 (heartbeat.py).
 RDZV_DEFAULTS: dict[str, dict[str, str]] = {
     backend: {"last_call_timeout": f"{LAST_CALL_TIMEOUT:g}"}
-    for backend in ("c10d", "etcd-v2", "etcd")
+    for backend in names_with("short_last_call")
 }
-
-# torch's backends with heartbeats (keep_alive_*), which torch does not check: checked here
-# as etcd-v3's are (etcd_v3/options.py).
-HEARTBEAT_BACKENDS = ("c10d", "etcd-v2")
 
 # One node needs no shared endpoint or job id: a free port on this host, a random id.
 SINGLE_NODE_ENDPOINT = "127.0.0.1:0"
@@ -79,6 +77,6 @@ def rdzv_conf_with_defaults(backend: str, text: str) -> str:
     like etcd-v3's (etcd_v3/options.py), which torch does not do.
     """
     conf = {**RDZV_DEFAULTS.get(backend, {}), **parse_rdzv_conf(text)}
-    if backend in HEARTBEAT_BACKENDS:
+    if capabilities(backend).heartbeats:
         check_keep_alive_conf(backend, conf)
     return ",".join(f"{key}={value}" for key, value in conf.items())

@@ -6,6 +6,8 @@ it imports torch (agent/worker_start.py).
 
 from __future__ import annotations
 
+from elastic_train.rendezvous.backends import capabilities
+
 
 def rendezvous_failure_line(exc: BaseException, *, backend: str, endpoint: str, run_id: str,
                             nnodes: str) -> str | None:
@@ -24,9 +26,10 @@ def rendezvous_failure_line(exc: BaseException, *, backend: str, endpoint: str, 
     if isinstance(exc, RendezvousClosedError):
         return (f"{where} is closed: a job with this --rdzv-id already finished; use a new "
                 "--rdzv-id")
-    if isinstance(exc, RendezvousConnectionError) and backend == "c10d":
+    if isinstance(exc, RendezvousConnectionError) and capabilities(backend).store_in_an_agent:
         return (f"{where}: the store refused this node (the node that held it was lost, "
-                "or started again with a new store): a c10d job cannot outlive its store's "
+                f"or started again with a new store): a {backend} job cannot outlive its "
+                "store's "
                 "node; restart the job (it resumes from its newest checkpoint), or run it "
                 "on --rdzv-backend etcd-v3, which survives the loss of any node")
     if isinstance(exc, RendezvousTimeoutError):

@@ -19,19 +19,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic_train.errors import RendezvousUnavailableError
+from elastic_train.rendezvous.backends import capabilities
 from elastic_train.rendezvous.etcd_v3.kv import EtcdUnreachableError
 from elastic_train.rendezvous.etcd_v3.options import SETTINGS, EtcdV3Options, parse_endpoint
 from elastic_train.rendezvous.etcd_v3.outage import retry_unreachable
-
-V2_BACKENDS = ("etcd", "etcd-v2")
 
 
 def check_rendezvous(backend: str, endpoint: str, config: Mapping[str, Any],
                      timeout: float = 5.0) -> None:
     """Raise ``RendezvousUnavailableError`` (or a config error) if ``backend`` cannot work."""
-    if backend in V2_BACKENDS:
+    check = capabilities(backend).preflight
+    if check == "v2-api":
         check_v2(backend, endpoint, config, timeout)
-    elif backend == "etcd-v3":
+    elif check == "v3-api":
         check_v3(endpoint, config)
 
 
