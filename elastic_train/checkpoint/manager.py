@@ -6,27 +6,24 @@ writes it (storage.py) on a background thread, at most one in flight. A failed w
 (disk full, permissions) is logged at once, counted and recorded as ``checkpoint_failed``;
 the checkpoints already on disk stay. What follows is the job's ``--on-save-failure``
 policy: ``continue`` tries again at the next due step, ``stop`` leaves the failure in
-``failed``, and every rank stops at the next step (stop.py, worker/trainer.py). The final
-checkpoint is persisted in the foreground, so a run never ends without it.
+``failed``, and every rank stops at the next step (worker/save_failure.py). The final
+checkpoint is persisted in the foreground, so a run never ends without it. The agents'
+memory tier gets each snapshot before the durable write (memory_offers.py).
 
-Restore is the same on every rank and in the same order: rank 0 removes leftovers of torn
-saves, finds the newest checkpoint that verifies (skipping corrupt ones with a warning and
-an event), checks it fits the model, and broadcasts its choice; every rank loads it; a vote
-(all-reduce) makes every rank fail together if any could not load.
+Restore is the same on every rank and in the same order: rank 0 chooses what to load (the
+memory tier's snapshot or the newest durable checkpoint that verifies and fits: restore.py)
+and broadcasts its choice; every rank loads it; a vote (all-reduce) makes every rank fail
+together if any could not load.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -35,11 +32,18 @@ from elastic_train.checkpoint import sharded
 from elastic_train.checkpoint.api import (
     CheckpointInfo,
     CheckpointStorage,
-    PayloadUpload,
     Serialized,
 )
-from elastic_train.checkpoint.fence import WriterFence, superseded
+from elastic_train.checkpoint.fence import WriterFence
+from elastic_train.checkpoint.memory_offers import MemoryOffers, MemoryTier
 from elastic_train.checkpoint.persister import BackgroundPersister
+from elastic_train.checkpoint.restore import (
+    MemoryRestoreFailed,
+    Restored,
+    Sources,
+    choose,
+    load_chosen,
+)
 from elastic_train.checkpoint.snapshot import (
     PendingCopies,
     SnapshotBuffers,
@@ -47,8 +51,6 @@ from elastic_train.checkpoint.snapshot import (
     changed_only_by_step,
 )
 from elastic_train.checkpoint.storage import (
-    check_compatible,
-    load_payload,
     model_digest,
     serialize,
     tensor_shapes,
@@ -59,22 +61,20 @@ from elastic_train.errors import (
     CheckpointFencedError,
     CheckpointMismatchError,
     CheckpointWriteError,
-    ElasticTrainError,
-    MemoryTierError,
     StorageError,
-    StorageRefusedError,
 )
 from elastic_train.events.log import EventLog
 from elastic_train.events.schema import (
     CheckpointDeleted,
     CheckpointFailed,
     CheckpointFenced,
-    CheckpointLeftoverRemoved,
     CheckpointLoaded,
     CheckpointSaved,
-    CheckpointSkipped,
     CheckpointWaited,
 )
+
+__all__ = ["CheckpointManager", "MemoryTier", "Ranks", "Restored", "Stateful",
+           "snapshot_state"]
 
 log = logging.getLogger(__name__)
 
@@ -106,37 +106,6 @@ class Ranks(Protocol):
         ...
 
 
-class MemoryTier(Protocol):
-    """The agents' memory tier as a checkpoint manager uses it (worker/memory_tier.py)."""
-
-    endpoint: Any
-
-    def offer(self, manifest: Mapping[str, Any], payload: bytes | memoryview) -> int: ...
-
-    def newest(self) -> dict[str, Any] | None: ...
-
-    def kept(self, part: int) -> list[dict[str, Any]]: ...
-
-    def fetch(self, manifest: Mapping[str, Any]) -> bytes: ...
-
-    def upload(self, manifest: Mapping[str, Any], url: str,
-               client_options: Mapping[str, Any]) -> float: ...
-
-
-class _MemoryRestoreFailed(Exception):
-    """A rank could not load the memory tier's snapshot: restore from the run directory."""
-
-
-@dataclass(frozen=True)
-class Restored:
-    """The checkpoint every rank loaded."""
-
-    step: int
-    path: Path | str
-    world_size: int | None
-    seconds: float
-
-
 def snapshot_state(objects: Mapping[str, Stateful]) -> dict[str, Any]:
     """A one-off snapshot into fresh buffers (the manager reuses its own)."""
     return SnapshotBuffers().copy(objects)
@@ -154,14 +123,13 @@ class CheckpointManager:
         self.memory = memory
         """The agents' memory tier (worker/memory_tier.py): the newest snapshot held on two
         nodes, written before the durable store; None outside ``elastic-train run``."""
-        self._memory_failed = False
+        self._offers = MemoryOffers(memory) if memory is not None else None
         self.memory_copies: int | None = None
         """How many agents hold the newest snapshot in memory (None: not offered)."""
         self.memory_seconds: float | None = None
         self.uploaded_by: str | None = None
         """Who uploaded the last payload to an object store: ``agent`` (written behind the
         memory tier) or ``worker``; None on a filesystem."""
-        self._upload_behind_failed = False
         self.on_commit = on_commit
         """Called after each checkpoint is committed (an object store's logs follow it)."""
         self.fence = fence
@@ -195,121 +163,6 @@ class CheckpointManager:
         self._guarded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     # ---- restore -------------------------------------------------------------------------
-    def _choose(self, shapes: Mapping[str, list[Any]], use_memory: bool = True,
-                sharded_job: bool = False) -> dict[str, Any]:
-        """Rank 0: the newest of the agents' memory snapshot and the newest durable
-        checkpoint that verifies and fits (memory wins a tie), or why there is none."""
-        held = None
-        if use_memory:
-            held = self._parts_in_memory() if sharded_job else self._held_in_memory()
-        durable_step = max((info.step for info in self.store.list()), default=-1) \
-            if held is not None else -1
-        if held is not None and held["step"] >= durable_step:
-            # Nothing durable is newer: no payload is read (or downloaded) to verify it.
-            for path in self.store.remove_leftovers():
-                log.warning("removed %s, left by a save or deletion that did not finish", path)
-                self.events.emit(CheckpointLeftoverRemoved(path=str(path)))
-        else:
-            durable = self._choose_durable(shapes)
-            if held is None or "error" in durable or (
-                    durable.get("step") is not None and held["step"] < durable["step"]):
-                return durable
-        assert held is not None
-        return {"step": held["step"], "path": f"memory of {', '.join(held['held_by'])}",
-                "world_size": held.get("world_size"), "model_digest": held.get("model_digest"),
-                "time": held.get("time"), "memory": held["manifest"],
-                "memory_parts": held.get("parts_held"), "durable_step": durable_step}
-
-    def _held_in_memory(self) -> dict[str, Any] | None:
-        """The memory tier's newest snapshot of this run if no newer world superseded it."""
-        if self.memory is None:
-            return None
-        try:
-            manifest = self.memory.newest()
-        except ElasticTrainError as exc:
-            log.warning("the agents' memory tier did not answer (%s): restoring from %s",
-                        exc, self.store.root)
-            return None
-        if manifest is None:
-            return None
-        claims = self.fence.claims() if self.fence is not None else []
-        if superseded(manifest.get("writer_epoch"), int(manifest["step"]), claims):
-            return None
-        return {**manifest, "manifest": manifest, "held_by": [self.memory.endpoint.url]}
-
-    def _parts_in_memory(self) -> dict[str, Any] | None:
-        """The newest sharded checkpoint the memory tier holds every part of (all offered
-        by one save: the same writer epoch, step, generation and world), if no newer
-        world superseded it; its parts' manifests under ``parts_held``."""
-        if self.memory is None:
-            return None
-        try:
-            sets: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
-            first = self.memory.kept(0)
-            for manifest in first:
-                sets[_save_of(manifest)] = {0: manifest}
-            for part in range(1, max((int(m["parts"]) for m in first), default=0)):
-                for manifest in self.memory.kept(part):
-                    if _save_of(manifest) in sets:
-                        sets[_save_of(manifest)][part] = manifest
-        except ElasticTrainError as exc:
-            log.warning("the agents' memory tier did not answer (%s): restoring from %s",
-                        exc, self.store.root)
-            return None
-        claims = self.fence.claims() if self.fence is not None else []
-        for _, parts in sorted(sets.items(), key=lambda kv: kv[0][:2], reverse=True):
-            manifest = parts[0]
-            if len(parts) != int(manifest["parts"]):
-                log.info("the agents' memory holds %d of the %d parts of checkpoint %d: "
-                         "not that one", len(parts), manifest["parts"], manifest["step"])
-                continue
-            if superseded(manifest.get("writer_epoch"), int(manifest["step"]), claims):
-                continue
-            return {**manifest, "manifest": manifest, "held_by": [self.memory.endpoint.url],
-                    "parts_held": [parts[p] for p in range(len(parts))]}
-        return None
-
-    def _choose_durable(self, shapes: Mapping[str, list[Any]]) -> dict[str, Any]:
-        """Rank 0: the newest checkpoint that verifies and fits, or why there is none."""
-        for path in self.store.remove_leftovers():
-            log.warning("removed %s, left by a save or deletion that did not finish", path)
-            self.events.emit(CheckpointLeftoverRemoved(path=str(path)))
-        infos = self.store.list()
-        skipped: list[CheckpointInfo] = []
-        claims = self.fence.claims() if self.fence is not None else []
-        for info in infos:
-            written_by = (info.manifest or {}).get("writer_epoch")
-            if superseded(written_by, info.step, claims):
-                problem = (f"superseded: written by writer epoch {written_by} after a newer "
-                           "world had resumed from an earlier step (fence.py)")
-                log.warning("skipping checkpoint %s: %s", info.path, problem)
-                self.events.emit(CheckpointSkipped(step=info.step, path=str(info.path),
-                                                   problem=problem))
-                continue
-            verdict = self.store.verify(info)
-            if not verdict.valid:
-                log.warning("skipping corrupt checkpoint %s: %s", info.path, verdict.problem)
-                self.events.emit(CheckpointSkipped(step=info.step, path=str(info.path),
-                                                   problem=verdict.problem))
-                skipped.append(info)
-                continue
-            try:
-                check_compatible(info, shapes)
-            except CheckpointMismatchError as exc:
-                return {"error": str(exc), "mismatch": True}
-            # Corrupt checkpoints newer than the one resumed would be redone and overwritten
-            # by retention's count; set them aside (kept, out of the way) instead.
-            for bad in skipped:
-                aside = self.store.set_aside(bad)
-                log.warning("set %s aside as %s", bad.path, aside.name)
-            return {"step": info.step, "path": str(info.path), "world_size": info.world_size,
-                    "model_digest": info.model_digest, "time": info.time}
-        if infos:
-            return {"error": f"none of the {len(infos)} checkpoints under {self.store.root} "
-                    "verifies (see the warnings above): move them aside to start afresh, "
-                    "nothing was deleted"}
-        return {"step": None}
-
     def restore(self, objects: Mapping[str, Stateful]) -> Restored | None:
         """Load the newest valid checkpoint into ``objects`` on every rank; None if none.
 
@@ -328,17 +181,18 @@ class CheckpointManager:
         use_memory = self.group.all_true(self.memory is not None)
         try:
             return self._restore(objects, use_memory=use_memory)
-        except _MemoryRestoreFailed:
+        except MemoryRestoreFailed:
             return self._restore(objects, use_memory=False)
 
     def _restore(self, objects: Mapping[str, Stateful], use_memory: bool) -> Restored | None:
         started = time.monotonic()
-        model = objects["model"]
+        sources = Sources(self.store, self.events, self.fence, self.memory)
         decision: dict[str, Any] | None = None
         if self.group.rank == 0:
             try:
-                decision = self._choose(tensor_shapes(model.state_dict()), use_memory,
-                                        sharded.is_sharded(model))
+                model = objects["model"]
+                decision = choose(sources, tensor_shapes(model.state_dict()), use_memory,
+                                  sharded.is_sharded(model))
                 if self.fence is not None and "error" not in decision:
                     decision["epoch"] = self.fence.claim(decision["step"],
                                                          str(self.meta.get("run_id")))
@@ -353,43 +207,12 @@ class CheckpointManager:
             self.group.barrier()
             return None
         from_memory = decision.get("memory")
-        info = self.store.locate(decision["path"], decision["step"]) if from_memory is None \
-            else None
-        path = decision["path"] if info is None else info.path
-        failure: ElasticTrainError | None = None
-        try:
-            map_location = self.group.device if self.group.device.type == "cuda" else "cpu"
-            payload = None
-            memory_parts = decision.get("memory_parts")
-            if from_memory is not None and memory_parts:
-                assert self.memory is not None
-                fetch = self.memory.fetch
-                sharded.restore_from_parts(lambda part: fetch(memory_parts[part]),
-                                           len(memory_parts), objects, map_location, path)
-            elif from_memory is not None:
-                assert self.memory is not None
-                payload = load_payload(io.BytesIO(self.memory.fetch(from_memory)), path,
-                                       map_location)
-            else:
-                assert info is not None
-                payload = self._load_durable(info, objects, map_location)
-            for name, obj in (objects.items() if payload is not None else ()):
-                if name not in payload:
-                    raise CheckpointMismatchError(
-                        f"checkpoint {path} has no {name!r} state: it was written by another "
-                        "program; use a new --run-dir")
-                obj.load_state_dict(payload[name])
-        except ElasticTrainError as exc:
-            failure = exc
-        except (RuntimeError, KeyError, ValueError) as exc:
-            failure = CheckpointMismatchError(
-                f"checkpoint {path} does not fit this job ({str(exc).splitlines()[0]}): use a "
-                "new --run-dir or the options that wrote it; it was left untouched")
+        path, failure = load_chosen(decision, sources, objects, self.group.device)
         if not self.group.all_true(failure is None):
             if from_memory is not None and not isinstance(failure, CheckpointMismatchError):
                 log.warning("restoring from the agents' memory failed (%s): restoring from "
                             "%s instead", failure or "on another rank", self.store.root)
-                raise _MemoryRestoreFailed()
+                raise MemoryRestoreFailed()
             raise failure or CheckpointError(
                 f"another rank could not load checkpoint {path}: see its error above")
         self._last_save_time = time.monotonic()
@@ -410,19 +233,6 @@ class CheckpointManager:
             self.last_saved_step = None
             self.save(decision["step"], objects, reason="from_memory")
         return Restored(decision["step"], path, decision.get("world_size"), seconds)
-
-    def _load_durable(self, info: CheckpointInfo, objects: Mapping[str, Stateful],
-                      map_location: str | torch.device) -> dict[str, Any] | None:
-        """The payload of checkpoint ``info`` to load object by object; None when a sharded
-        checkpoint was loaded into ``objects`` already (resharded to this job's mesh)."""
-        if info.manifest is None:
-            info = self.store.read_info(info.path, info.step)
-        written_sharded = sharded.is_sharded_checkpoint(info.manifest)
-        sharded.check_kind(info.path, info.manifest, sharded.is_sharded(objects["model"]))
-        if written_sharded:
-            sharded.restore_into(info, objects, map_location)
-            return None
-        return self.store.load(info, map_location=map_location)
 
     # ---- save ----------------------------------------------------------------------------
     def due(self, step: int, interval_due: bool | None = None) -> bool:
@@ -554,8 +364,10 @@ class CheckpointManager:
 
         def persist() -> None:
             encoded = sharded.encode(shot)
-            if self.memory is not None:
-                self._offer_part(step, encoded, shot.rank, shot.world_size)
+            if self._offers is not None and self._memory_used(step):
+                self._offers.offer_parts(step, self.epoch, self.generation, encoded,
+                                         shot.world_size)
+                self._memory_told()
             if self.group.rank != 0:
                 try:
                     sharded.write_rank(staging, shot, encoded)
@@ -595,19 +407,6 @@ class CheckpointManager:
                 else round(self.memory_seconds, 6)))
 
         self._dispatch(step, persist, wait)
-
-    def _offer_part(self, step: int, encoded: sharded.EncodedShards, rank: int,
-                    world_size: int) -> None:
-        """Give the agents' memory tier this rank's part of a sharded save (before its
-        durable write): every rank offers its own (rank 0 also the common state, as part
-        ``world_size``), under the same writer epoch, step and generation, so that a
-        restore finds them all (``_parts_in_memory``)."""
-        for part, data in encoded.payloads().items():
-            if self._offer(step, Serialized(data, hashlib.sha256(data).hexdigest()),
-                           {"world_size": world_size},
-                           {"part": part, "parts": world_size + 1,
-                            "generation": self.generation}) is None:
-                return
 
     def _guard_next_step(self, optimizer: torch.optim.Optimizer, pending: PendingCopies) -> None:
         """Make ``optimizer``'s next step wait for ``pending``.
@@ -694,57 +493,19 @@ class CheckpointManager:
         if self.fence is not None and self.epoch is not None:
             self.fence.check(self.epoch, step)
 
-    def _offer(self, step: int, payload: Serialized, meta: Mapping[str, Any],
-               extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-        """Give the agents' memory tier the snapshot before the durable write; the
-        manifest it holds it under (None: not held). A failure is said once per outage
-        and never fails the save."""
-        assert self.memory is not None
-        began = time.monotonic()
+    def _memory_used(self, step: int) -> bool:
+        """Before offering checkpoint ``step``: whether this world may offer it (a stale
+        one offers nothing; its durable write meets the same fence and reports it)."""
         self.memory_copies = self.memory_seconds = None
         try:
-            self._check_fence(step)  # a stale world offers nothing either
+            self._check_fence(step)
         except (CheckpointFencedError, StorageError):
-            return None  # the durable write meets the same and reports it
-        manifest = {"writer_epoch": self.epoch if self.epoch is not None else 0, "step": step,
-                    "sha256": payload.sha256, "bytes": payload.bytes,
-                    "world_size": meta.get("world_size"), "time": time.time(),
-                    "model_digest": meta.get("model_digest"), **(extra or {})}
-        try:
-            self.memory_copies = self.memory.offer(manifest, payload.data)
-        except ElasticTrainError as exc:
-            if not self._memory_failed:
-                log.warning("the agents' memory tier did not take checkpoint %d (%s): the "
-                            "durable store has it (said once per outage)", step, exc)
-            self._memory_failed = True
-            return None
-        self._memory_failed = False
-        self.memory_seconds = time.monotonic() - began
-        return manifest
+            return False
+        return True
 
-    def _upload_behind(self, offered: Mapping[str, Any]) -> PayloadUpload:
-        """The agent's holder uploads the payload it was just offered (the object store
-        written behind the memory tier, agent/write_behind.py); this process uploads it
-        itself where the holder could not try, or its credentials were refused (this
-        process may hold others)."""
-        memory = self.memory
-        assert memory is not None
-
-        def upload(url: str, options: Mapping[str, Any], payload: Serialized) -> bool:
-            try:
-                memory.upload(offered, url, options)
-            except (MemoryTierError, StorageRefusedError) as exc:
-                if not self._upload_behind_failed:
-                    log.warning("the agent did not upload checkpoint %s (%s): this worker "
-                                "uploads it (said once per outage)", offered["step"], exc)
-                self._upload_behind_failed = True
-                self.uploaded_by = "worker"
-                return False
-            self._upload_behind_failed = False
-            self.uploaded_by = "agent"
-            return True
-
-        return upload
+    def _memory_told(self) -> None:
+        assert self._offers is not None
+        self.memory_copies, self.memory_seconds = self._offers.copies, self._offers.seconds
 
     def persist(self, step: int, snapshot: Mapping[str, Any]) -> CheckpointInfo:
         """Write a snapshot atomically, then apply retention (raises CheckpointWriteError)."""
@@ -761,13 +522,16 @@ class CheckpointManager:
         if self.memory is not None or in_object_store:
             payload = serialize(snapshot)  # once: for the memory tier and the object store
         offered = None
-        if self.memory is not None:
+        if self._offers is not None and self._memory_used(step):
             assert isinstance(payload, Serialized)
-            offered = self._offer(step, payload, meta)
+            offered = self._offers.offer(step, self.epoch, payload, meta)
+            self._memory_told()
         self.uploaded_by = "worker" if in_object_store else None
         extra: dict[str, Any] = {}
         if offered is not None and in_object_store:
-            extra["upload"] = self._upload_behind(offered)
+            assert self._offers is not None
+            extra["upload"] = self._offers.upload_behind(
+                offered, lambda by: setattr(self, "uploaded_by", by))
         with self._committing(step):
             info = self.store.write(step, payload, meta,
                                     before_commit=lambda: self._check_fence(step), **extra)
@@ -784,9 +548,3 @@ class CheckpointManager:
                         "checkpoints are deleted after the next one", step, exc)
         if self.on_commit is not None:
             self.on_commit()
-
-
-def _save_of(manifest: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What the parts of one sharded save share: writer epoch, step, generation, world."""
-    return (int(manifest["writer_epoch"]), int(manifest["step"]), manifest.get("generation"),
-            manifest.get("parts"))
