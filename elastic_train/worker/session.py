@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import sys
 import time
-import types
 from collections.abc import Iterator, Mapping, Sized
 from pathlib import Path
 from typing import Any, overload
@@ -77,7 +76,7 @@ from elastic_train.config import (
 from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.events.log import EventLog
 from elastic_train.events.schema import Step
-from elastic_train.worker import data_parallel, distributed, sharded_recovery, torch_seams
+from elastic_train.worker import data_parallel, distributed, sharded_recovery
 from elastic_train.worker.batching import global_batch
 from elastic_train.worker.bootstrap import join_world, place_worker
 from elastic_train.worker.data_parallel import StepFailures
@@ -88,7 +87,9 @@ from elastic_train.worker.process_name import name_process
 from elastic_train.worker.runtime import WorkerRuntime
 from elastic_train.worker.sampler import ElasticBatchSampler
 from elastic_train.worker.seeding import derive_seed
+from elastic_train.worker.session_loader import ElasticDataLoader
 from elastic_train.worker.sharded_recovery import ShardedLive
+from elastic_train.worker.step_gates import skip_failed_steps
 from elastic_train.worker.timeline import process_start_time
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
@@ -111,35 +112,6 @@ class _Counter:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-
-
-class _ElasticDataLoader(DataLoader):
-    """The session's DataLoader: its iterator starts again at the step to train on when
-    the world re-formed in place (what it read ahead, prefetched by its worker processes,
-    was cut for the old world or belongs to a step now redone)."""
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return _RestartingIterator(self)
-
-
-class _RestartingIterator:
-    def __init__(self, loader: _ElasticDataLoader) -> None:
-        self._loader = loader
-        self._sampler = loader.batch_sampler
-        self._seen = self._sampler.reshards
-        self._inner = DataLoader.__iter__(loader)
-
-    def __iter__(self) -> _RestartingIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._sampler.reshards != self._seen:
-            self._seen = self._sampler.reshards
-            self._inner = DataLoader.__iter__(self._loader)
-        return next(self._inner)
-
-    def __len__(self) -> int:
-        return len(self._sampler)
 
 
 class ElasticSession:
@@ -277,7 +249,7 @@ class ElasticSession:
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "dataloader"))
         sampler = self.sampler(dataset, batch_size, global_batch_size=global_batch_size)
         self._own_loader = True
-        return _ElasticDataLoader(dataset, batch_sampler=sampler, generator=generator,
+        return ElasticDataLoader(dataset, batch_sampler=sampler, generator=generator,
                                   **kwargs)
 
     def wrap(self, model: torch.nn.Module, *, parallelism: str = "ddp",
@@ -396,7 +368,7 @@ class ElasticSession:
         self.runtime.hold_state()
         if live is not None:
             for obj in objects.values():
-                self._skip_failed_steps(obj)
+                skip_failed_steps(obj, self._failures)
             live.ready()
             live.start()
         self._watch_steps()
@@ -418,43 +390,6 @@ class ElasticSession:
         ``if not session.step_failed: ema.update(model)``. Always False without live
         recovery (a failure there raises)."""
         return self._failures.error is not None
-
-    def _skip_failed_steps(self, obj: Any) -> None:
-        """Make ``obj`` change nothing in a step whose gradient all-reduce failed: its
-        gradients are not the step's (the commit point a hand-written loop lacks). An
-        optimizer's and an LR scheduler's ``step()`` do nothing; a GradScaler's ``update()``
-        keeps its scale and growth count (and still clears the step's records)."""
-        failures = self._failures
-        if isinstance(obj, torch.optim.Optimizer):
-            step = obj.step
-
-            def gated_step(target: Any, *args: Any, **kwargs: Any) -> Any:
-                return None if failures.error is not None else step(*args, **kwargs)
-
-            torch_seams.keep_lr_scheduler_mark(step, gated_step)  # an LR scheduler's
-            # A bound method, as torch's LR schedulers expect of optimizer.step when they
-            # wrap it to count the calls.
-            obj.step = types.MethodType(gated_step, obj)
-        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            base = type(obj)
-
-            def gated_scheduler_step(target: Any, *args: Any, **kwargs: Any) -> Any:
-                return None if failures.error is not None \
-                    else base.step(target, *args, **kwargs)
-
-            # Its state_dict() is its __dict__: the gate goes in a subclass, not the instance.
-            obj.__class__ = type(base.__name__, (base,), {
-                "step": gated_scheduler_step, "__module__": base.__module__,
-                "__qualname__": base.__qualname__})
-        elif isinstance(obj, torch.amp.GradScaler):
-            update = obj.update
-
-            def gated_update(target: Any, new_scale: Any = None) -> None:
-                if failures.error is not None:
-                    new_scale = target.get_scale()  # as it was: no growth, no back-off
-                update(new_scale)
-
-            obj.update = types.MethodType(gated_update, obj)
 
     def epochs(self, count: int) -> Iterator[int]:
         """Epoch numbers from the resumed one to ``count - 1``; positions the sampler.

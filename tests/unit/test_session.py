@@ -20,6 +20,7 @@ from elastic_train.rundir import EVENTS_FILE
 from elastic_train.worker.batching import global_batch
 from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.session import ElasticSession
+from elastic_train.worker.step_gates import skip_failed_steps
 
 
 def test_sigterm_stops_at_the_next_step_with_a_checkpoint(tmp_path: Path) -> None:
@@ -408,7 +409,7 @@ def test_a_failed_step_changes_no_optimizer_scheduler_or_scaler(tmp_path: Path) 
     session = ElasticSession(tmp_path / "run", env=WorkerEnv())
     try:
         for obj in (optimizer, scheduler, scaler):
-            session._skip_failed_steps(obj)
+            skip_failed_steps(obj, session._failures)
 
         def one_step() -> None:
             optimizer.zero_grad()
