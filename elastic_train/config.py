@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import enum
 import json
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ OptionValue = str | int | float | bool
 BATCH_POLICIES = ("constant", "scale-lr")
 PARALLELISMS = ("ddp", "fsdp", "hsdp")
 SAVE_FAILURE_POLICIES = ("continue", "stop")
+DRILL = re.compile(r"\d+:\d+(:(weight|optimizer)(:\d+(:\d+)?)?)?")
 
 
 class RecoveryMode(enum.StrEnum):
@@ -74,6 +76,10 @@ class TrainConfig:
     """``ddp`` (a full replica per rank), ``fsdp`` or ``hsdp`` (sharded: worker/sharding.py)."""
     replica_group_size: int = 0
     """hsdp: the ranks that shard one replica (0: one group per node, --nproc-per-node)."""
+    verify_every: int = 0
+    """Compare the replicas' fingerprints every N steps and at every checkpoint (0: off)."""
+    inject_bitflip: str = ""
+    """The drill: ``RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]`` (integrity/drill.py)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +250,14 @@ OPTIONS: tuple[Option, ...] = (
            str, "KIND"),
     Option("--replica-group-size", "train", "replica_group_size",
            "hsdp: ranks that shard one replica (0: one group per node)", int, "N"),
+    Option("--verify-every", "train", "verify_every", "compare the replicas' state (a "
+           "fingerprint per rank, one small collective) every N steps and at every "
+           "checkpoint: a mismatch names the corrupt rank, no checkpoint of a corrupt state "
+           "is written, and the job restarts from the newest one (0: off)", int, "N"),
+    Option("--inject-bitflip", "train", "inject_bitflip", "drill: flip one bit of the "
+           "first parameter ('weight') or of its first optimizer state ('optimizer') on "
+           "RANK after optimizer step STEP, once per job", str,
+           "RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]"),
     Option("--checkpoint-every", "checkpoint", "every_steps",
            "checkpoint every N steps ('off' to only use --checkpoint-interval)",
            _optional_positive_int, "N"),
@@ -370,6 +384,9 @@ def validate(config: JobConfig) -> JobConfig:
            "'ddp', 'fsdp' or 'hsdp'")
     _check(t.replica_group_size >= 0, "--replica-group-size", t.replica_group_size,
            ">= 0 (0: one group per node)")
+    _check(t.verify_every >= 0, "--verify-every", t.verify_every, ">= 0 (0 turns it off)")
+    _check(not t.inject_bitflip or bool(DRILL.fullmatch(t.inject_bitflip)), "--inject-bitflip",
+           repr(t.inject_bitflip), "RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]")
     if t.parallelism != "ddp" and isinstance(config.run_dir, str):
         raise ConfigError(f"--parallelism {t.parallelism} with an object store run directory "
                           f"({config.run_dir}) is not supported yet: sharded checkpoints "
@@ -409,28 +426,6 @@ def mesh_shape(parallelism: str, world_size: int, replica_group_size: int
             f"{world_size}: hsdp shards within groups of that many ranks; choose a size "
             "that divides every world size the job may have (--nnodes, --nproc-per-node)")
     return (world_size // replica_group_size, replica_group_size)
-
-
-def check_session_options(*, checkpoint_every: int | None, preemption_budget: float | None,
-                          on_save_failure: str, recovery: str,
-                          step_timeout: float | None) -> None:
-    """``ElasticSession``'s arguments, checked as ``validate`` checks the job's options and
-    named as the keyword arguments a hand-written loop passes."""
-    if checkpoint_every is not None and checkpoint_every <= 0:
-        raise ConfigError(f"checkpoint_every {checkpoint_every} is invalid: it must be a "
-                          "positive number of steps, or None")
-    if preemption_budget is not None and preemption_budget <= 0:
-        raise ConfigError(f"preemption_budget {preemption_budget} is invalid: it must be a "
-                          "positive number of seconds, or None")
-    if on_save_failure not in SAVE_FAILURE_POLICIES:
-        raise ConfigError(f"on_save_failure {on_save_failure!r} is invalid: use one of "
-                          f"{', '.join(SAVE_FAILURE_POLICIES)}")
-    if recovery not in RECOVERY_MODES:
-        raise ConfigError(f"recovery {recovery!r} is invalid: use one of "
-                          f"{', '.join(RECOVERY_MODES)}")
-    if step_timeout is not None and step_timeout <= 0:
-        raise ConfigError(f"step_timeout {step_timeout} is invalid: it must be a positive "
-                          "number of seconds, or None")
 
 
 def _parse_task_option(text: str, flag: str = "--task-opt") -> tuple[str, str]:

@@ -195,3 +195,20 @@ class StorageRefusedError(StorageError):
     """The object store answered no: a missing bucket, refused credentials or permissions."""
 
     exit_code = 2
+
+
+class ReplicaDivergenceError(ElasticTrainError):
+    """Replicas that must hold the same state do not (silent data corruption: a flipped bit
+    in weights or optimizer state, a wrong result of a kernel): the step's state is not
+    trusted, nothing of it is checkpointed, and the job restarts from its newest checkpoint
+    (worker/replica_check.py)."""
+
+    def __init__(self, step: int, described: str, nodes: list[str]) -> None:
+        self.step = step
+        self.nodes = nodes
+        where = f" on {', '.join(nodes)}" if nodes else ""
+        super().__init__(
+            f"the replicas' state differs after step {step}: {described}{where}; no "
+            "checkpoint of this state is written and the job restarts from its newest "
+            "checkpoint (check that node's GPU and memory: repeated on the same node, take "
+            "it out of the job)")

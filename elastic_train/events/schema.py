@@ -33,6 +33,7 @@ class Event(StrEnum):
     PREEMPTED = "preempted"
     STOPPED = "stopped"
     HANG = "hang"
+    REPLICAS_DIVERGED = "replicas_diverged"
     END = "end"
     CHECKPOINT_LEFTOVER_REMOVED = "checkpoint_leftover_removed"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -239,6 +240,21 @@ class Hang(EventRecord):
     flattened: ClassVar[frozenset[str]] = frozenset({"finding"})
     restart: int
     finding: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicasDiverged(EventRecord):
+    """The replicas' fingerprints differed after ``step`` (silent data corruption):
+    ``named`` the ranks a strict majority of their replicas outvoted, ``suspects`` every
+    rank that may hold the corrupt state (all of a group without a majority), ``nodes``
+    the suspects' hosts; the job restarts from its newest checkpoint."""
+
+    event: ClassVar[Event] = Event.REPLICAS_DIVERGED
+    step: int
+    named: list[int]
+    suspects: list[int]
+    nodes: list[str]
+    replicas: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -228,6 +228,16 @@ def sum_over_ranks(group: Group, values: torch.Tensor) -> list[float]:
     return values.tolist()
 
 
+def gather_rows(group: Group, row: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``row`` (a small 1-d tensor of one shape and dtype on every rank), in
+    rank order, on every rank."""
+    if group.world_size == 1:
+        return [row]
+    rows = [torch.empty_like(row) for _ in range(group.world_size)]
+    aborts.wait(dist.all_gather(rows, row, async_op=True), row, *rows)
+    return rows
+
+
 def all_true(group: Group, flag: bool) -> bool:
     """True on every rank iff ``flag`` is true on every rank (a barrier that carries a vote)."""
     if group.world_size == 1:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,87 +56,25 @@ from elastic_train.worker.memory_tier import MemoryTierClient
 from elastic_train.worker.preemption import StopRequest, node_stopped
 from elastic_train.worker.save_failure import SaveFailureStop
 from elastic_train.worker.sharded_recovery import ShardedLive
+from elastic_train.worker.vote import (
+    GO_ON,
+    LEAVE_GRACE,
+    TALLY_AGENT_STOPS,
+    TALLY_LOSS,
+    TALLY_NODES,
+    TALLY_REFORMS,
+    TALLY_RIPE,
+    TALLY_SAVE_DUE,
+    TALLY_SAVE_FAILED,
+    TALLY_STOPS,
+    Vote,
+    decide,
+)
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
-
-LEAVE_GRACE = 1.0
-"""Seconds a SIGTERM on some nodes waits for the others before those nodes leave alone: a
-job deleted or preempted as a whole signals every node within a moment and stops with a
-checkpoint; a node signalled alone (a spot node reclaimed, a node drained) leaves at a
-step boundary while the others re-form without it."""
 
 OWN_FAILURE_GRACE = 2.0
 """Seconds a step that failed outside a collective (the loop's own error) waits for a
 re-formation announced meanwhile before it fails the worker."""
-
-
-@dataclass(frozen=True)
-class Vote:
-    """What every rank agreed at the end of one step."""
-
-    loss_sum: float
-    """The step's losses summed over the ranks (0.0 when the loop gave none)."""
-    stop: bool
-    """A SIGTERM reached some rank: checkpoint this step and leave the loop."""
-    save_failed: bool
-    """Rank 0 could not write a checkpoint and ``--on-save-failure`` is stop."""
-    stopped_nodes: tuple[int, ...] = ()
-    """The nodes (group ranks) whose workers got the signal."""
-    reform: bool = False
-    """A node is ready to join, or some leave (live recovery): every rank that stays
-    re-forms the world after this step, which is committed."""
-    restart: bool = False
-    """An agent stops its workers itself (torch's restart path): every rank stops with a
-    checkpoint of this step, and the agents start them again from it. Not the job's end."""
-    leave: bool = False
-    """This rank's node was signalled alone: it leaves the job at this step, without a
-    checkpoint (the ranks that stay hold the state and go on)."""
-    leaving: tuple[int, ...] = ()
-    """The nodes (group ranks) that leave while the others go on."""
-    save_due: bool | None = field(default=None, compare=False)
-    """Rank 0's clock says ``--checkpoint-interval`` has passed: every rank saves this step
-    (a sharded save needs all of them at the same step). None: not voted on."""
-
-    @property
-    def ends_loop(self) -> bool:
-        return self.stop or self.save_failed or self.leave
-
-
-GO_ON = Vote(loss_sum=0.0, stop=False, save_failed=False)
-"""The vote of a loop that ran out of steps (or ran none)."""
-
-# The vote's one all-reduce, slot by slot: the loss sum, how many ranks were preempted, the
-# save-failure stop, how many ranks see a node ready to join, whether rank 0's checkpoint
-# interval has passed, how many ranks their agent stops itself, how many were preempted
-# LEAVE_GRACE ago or more, then one slot per node (its ranks that were preempted).
-(_TALLY_LOSS, _TALLY_STOPS, _TALLY_SAVE_FAILED, _TALLY_REFORMS, _TALLY_SAVE_DUE,
- _TALLY_AGENT_STOPS, _TALLY_RIPE, _TALLY_NODES) = range(8)
-
-
-def decide(summed: torch.Tensor | list[float], group_rank: int, nodes_in_world: int, *, live: bool
-           ) -> Vote:
-    """What the vote's tally of every rank (``summed``) says, the same on every rank
-    (``group_rank``: this rank's node; ``live``: the world re-forms in place).
-
-    An agent's own stop of its workers stops every rank with a checkpoint (a restart, not
-    the job's end). A SIGTERM on every node stops the job with a checkpoint. A SIGTERM on
-    some nodes waits ``LEAVE_GRACE`` for the rest; then those nodes leave and the others
-    re-form without them (without live recovery every rank stops with them, as torch's
-    restart path needs)."""
-    values = summed.tolist() if isinstance(summed, torch.Tensor) else list(summed)
-    nodes = tuple(node for node, v in enumerate(values[_TALLY_NODES:]) if v > 0)
-    common: dict[str, Any] = {"loss_sum": values[_TALLY_LOSS],
-                              "save_failed": values[_TALLY_SAVE_FAILED] > 0,
-                              "reform": values[_TALLY_REFORMS] > 0,
-                              "save_due": values[_TALLY_SAVE_DUE] > 0}
-    if values[_TALLY_AGENT_STOPS] > 0:
-        return Vote(stop=True, stopped_nodes=nodes, restart=True, **common)
-    ripe = values[_TALLY_RIPE] > 0
-    if nodes and (len(nodes) == nodes_in_world or (ripe and not live)):
-        return Vote(stop=True, stopped_nodes=nodes, **common)
-    if nodes and ripe:
-        leave = group_rank in nodes
-        return Vote(stop=False, leave=leave, leaving=nodes, **{**common, "reform": not leave})
-    return Vote(stop=False, **common)
 
 
 @dataclass(frozen=True)
@@ -540,22 +478,22 @@ class WorkerRuntime:
                         save_due=self.checkpoints.interval_passed()
                         if self.group.world_size == 1 else None)
         else:
-            tally = torch.zeros(_TALLY_NODES + self.env.group_world_size, dtype=torch.float64,
+            tally = torch.zeros(TALLY_NODES + self.env.group_world_size, dtype=torch.float64,
                                 device=self.group.device)
             if loss_sum is not None:
-                tally[_TALLY_LOSS] = loss_sum
+                tally[TALLY_LOSS] = loss_sum
             if preempted:
-                tally[_TALLY_STOPS] = tally[_TALLY_NODES + self.env.group_rank] = 1.0
+                tally[TALLY_STOPS] = tally[TALLY_NODES + self.env.group_rank] = 1.0
                 if pre is not None and pre.seconds_since() >= LEAVE_GRACE:
-                    tally[_TALLY_RIPE] = 1.0
+                    tally[TALLY_RIPE] = 1.0
             if by_agent:
-                tally[_TALLY_AGENT_STOPS] = 1.0
+                tally[TALLY_AGENT_STOPS] = 1.0
             if save_failed:
-                tally[_TALLY_SAVE_FAILED] = 1.0
+                tally[TALLY_SAVE_FAILED] = 1.0
             if reform:
-                tally[_TALLY_REFORMS] = 1.0
+                tally[TALLY_REFORMS] = 1.0
             if self.group.rank == 0 and self.checkpoints.interval_passed():
-                tally[_TALLY_SAVE_DUE] = 1.0
+                tally[TALLY_SAVE_DUE] = 1.0
             summed = distributed.sum_over_ranks(self.group, tally)
             vote = decide(summed, self.env.group_rank, self.env.group_world_size,
                           live=self.live is not None)

@@ -69,7 +69,6 @@ from elastic_train.config import (
     CheckpointConfig,
     RecoveryMode,
     StorageConfig,
-    check_session_options,
     run_location,
     storage_from_options,
 )
@@ -88,6 +87,7 @@ from elastic_train.worker.runtime import WorkerRuntime
 from elastic_train.worker.sampler import ElasticBatchSampler
 from elastic_train.worker.seeding import derive_seed
 from elastic_train.worker.session_loader import ElasticDataLoader
+from elastic_train.worker.session_options import check_session_options
 from elastic_train.worker.sharded_recovery import ShardedLive
 from elastic_train.worker.step_gates import skip_failed_steps
 from elastic_train.worker.timeline import process_start_time

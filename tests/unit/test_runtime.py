@@ -288,23 +288,23 @@ def test_a_world_re_formed_in_a_new_round_is_said_without_an_unknown_rank():
 
 def tally(nodes: int, *, preempted: tuple[int, ...] = (), ripe: int = 0, agent_stops: int = 0,
           reform: bool = False) -> torch.Tensor:
-    """The vote's summed tally (worker/runtime.py's slots) of a world of ``nodes`` nodes."""
-    from elastic_train.worker import runtime as rt
+    """The vote's summed tally (worker/vote.py's slots) of a world of ``nodes`` nodes."""
+    from elastic_train.worker import vote as rt
 
-    summed = torch.zeros(rt._TALLY_NODES + nodes, dtype=torch.float64)
-    summed[rt._TALLY_LOSS] = 4.0
-    summed[rt._TALLY_STOPS] = len(preempted)
-    summed[rt._TALLY_RIPE] = ripe
-    summed[rt._TALLY_AGENT_STOPS] = agent_stops
-    summed[rt._TALLY_REFORMS] = float(reform)
+    summed = torch.zeros(rt.TALLY_NODES + nodes, dtype=torch.float64)
+    summed[rt.TALLY_LOSS] = 4.0
+    summed[rt.TALLY_STOPS] = len(preempted)
+    summed[rt.TALLY_RIPE] = ripe
+    summed[rt.TALLY_AGENT_STOPS] = agent_stops
+    summed[rt.TALLY_REFORMS] = float(reform)
     for node in preempted:
-        summed[rt._TALLY_NODES + node] = 1.0
+        summed[rt.TALLY_NODES + node] = 1.0
     return summed
 
 
 def test_a_sigterm_on_every_node_stops_the_job_and_on_some_nodes_they_leave_alone() -> None:
     """The decision every rank takes from the same tally (worker/runtime.decide)."""
-    from elastic_train.worker.runtime import decide
+    from elastic_train.worker.vote import decide
 
     # every node signalled: the job stops with a checkpoint, at once
     whole = decide(tally(3, preempted=(0, 1, 2)), 1, 3, live=True)
