@@ -247,7 +247,8 @@ class ReplicasDiverged(EventRecord):
     """The replicas' fingerprints differed after ``step`` (silent data corruption):
     ``named`` the ranks a strict majority of their replicas outvoted, ``suspects`` every
     rank that may hold the corrupt state (all of a group without a majority), ``nodes``
-    the suspects' hosts; the job restarts from its newest checkpoint."""
+    each suspect's host (in the order of ``suspects``); the job restarts from its newest
+    checkpoint."""
 
     event: ClassVar[Event] = Event.REPLICAS_DIVERGED
     step: int

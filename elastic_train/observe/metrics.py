@@ -201,6 +201,11 @@ class WorkerMetrics:
                                 "recovery threw away (live: at most the step in flight)")
         self.state_transfer_bytes = now(Counter, "state_transfer_bytes", "Bytes of training "
                                         "state sent between workers by live recoveries")
+        self.divergences = family(Counter, "replica_divergences", "Rank 0: checks of the "
+                                  "replicas' state (--verify-every) that found a suspect "
+                                  "rank, by that rank and its node (silent data corruption)",
+                                  extra=("suspect_rank", "suspect_node"))
+        self._labels = labels
         self.world_size.set(env.world_size)
         self.restarts.inc(env.restart_count)
         self.max_restarts.set(env.max_restarts)
@@ -252,6 +257,7 @@ class WorkerMetrics:
             Event.CHECKPOINT_SAVED: self._on_saved, Event.CHECKPOINT_LOADED: self._on_loaded,
             Event.CHECKPOINT_SKIPPED: self._on_skipped, Event.RECOVERY: self._on_recovery,
             Event.CHECKPOINT_FAILED: lambda record: self.failed.inc(),
+            Event.REPLICAS_DIVERGED: self._on_diverged,
         }
 
     def moved(self, env: ObservedProcess) -> None:
@@ -340,6 +346,12 @@ class WorkerMetrics:
             self.live_recovery_duration.observe(record["seconds"])
         self.steps_redone.inc(record.get("steps_redone") or 0)
         self.state_transfer_bytes.inc(record.get("bytes") or 0 if kind == "live" else 0)
+
+    def _on_diverged(self, record: Mapping[str, Any]) -> None:
+        for rank, node in zip(record.get("suspects") or [], record.get("nodes") or [],
+                              strict=False):
+            self.divergences.labels(**self._labels, suspect_rank=str(rank),
+                                    suspect_node=str(node)).inc()
 
     def _on_skipped(self, record: Mapping[str, Any]) -> None:
         self.skipped.inc()

@@ -161,6 +161,11 @@ def summary_lines(line: Timeline) -> list[str]:
         out.append(f"  live recovery {n}   {_what_changed(rec)} at step {rec['step']} "
                    f"({rec.get('steps_redone') or 0} step redone, {source})"
                    f"{_recovery_seconds(rec)}")
+    for rec in (r for r in line.records if r["event"] == Event.REPLICAS_DIVERGED):
+        who = f"rank(s) {rec.get('named')} named by majority" if rec.get("named") else \
+            f"no majority: ranks {rec.get('suspects')} suspect"
+        out.append(f"  CORRUPTION        the replicas' state differed after step {rec['step']}: "
+                   f"{who}, on {', '.join(sorted(set(rec.get('nodes') or []))) or '?'}")
     for when, old, new in line.resizes:
         out.append(f"  resize            world size {old} -> {new} after "
                    f"{_duration(when - line.began)}")

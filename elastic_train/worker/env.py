@@ -59,6 +59,12 @@ class WorkerEnv:
     None: plain torchrun, every SIGTERM is a preemption)."""
 
     @property
+    def first(self) -> bool:
+        """This process belongs to the job's first incarnation: no restart yet, and not
+        started again into a running world (a drill fires once per job)."""
+        return self.restart_count == 0 and not self.live_generation
+
+    @property
     def is_rank0(self) -> bool:
         return self.rank == 0
 

@@ -54,6 +54,7 @@ from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.live_world import LiveWorld, LostMembers
 from elastic_train.worker.memory_tier import MemoryTierClient
 from elastic_train.worker.preemption import StopRequest, node_stopped
+from elastic_train.worker.replica_check import ReplicaCheck
 from elastic_train.worker.save_failure import SaveFailureStop
 from elastic_train.worker.sharded_recovery import ShardedLive
 from elastic_train.worker.vote import (
@@ -139,6 +140,7 @@ class WorkerRuntime:
         """This node left the job alone at ``stopped_at`` (the others went on)."""
         self.live: LiveWorld | None = None
         """Set when this worker's world re-forms in place after a lost worker."""
+        self.replicas: ReplicaCheck | None = None  # --verify-every (worker/replica_check.py)
         self._previous: PreviousIncarnation | None = None
         self._installed = False
         self._joined_at: float | None = None
@@ -514,7 +516,10 @@ class WorkerRuntime:
         ``overlap_with``: the optimizer, when it alone changes the state (then the state's
         copy overlaps the next forward and backward).
         """
-        if self.checkpoints.due(step, vote.save_due if vote is not None else None):
+        due = self.checkpoints.due(step, vote.save_due if vote is not None else None)
+        if self.replicas is not None and self.replicas.due(step, saving=due):
+            self.replicas.check(self.group, step, objects)  # raises: nothing corrupt is saved
+        if due:
             self.checkpoints.save(step, dict(objects), overlap_with=overlap_with)
 
     def end(self, step: int, objects: Mapping[str, Stateful], vote: Vote = GO_ON, *,
@@ -547,6 +552,8 @@ class WorkerRuntime:
                                        seconds_since_signal=fields.get("seconds_since_signal")))
         if objects:  # else nothing was registered to checkpoint (a loop without restore)
             reason = ("restart" if vote.restart else "preemption") if vote.stop else "final"
+            if self.replicas is not None and self.replicas.due(step, saving=True):
+                self.replicas.check(self.group, step, objects)
             self.checkpoints.save(step, dict(objects), reason=reason, wait=True)
             self.checkpoints.finish()
         if then is not None and not vote.stop and self.group.rank == 0:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from elastic_train.events.line_file import LineFile
 from elastic_train.events.log import EventObserver, read_events
 from elastic_train.events.schema import BatchPlan as BatchPlanEvent
 from elastic_train.events.schema import Startup, Step
+from elastic_train.integrity.drill import BitflipDrill
 from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
 from elastic_train.rundir import RunDir
@@ -39,10 +39,12 @@ from elastic_train.worker.batching import WorldBatch, plan_batch
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.live_world import LiveWorld
+from elastic_train.worker.replica_check import ReplicaCheck
 from elastic_train.worker.runtime import GO_ON, Rejoined, Vote, WorkerRuntime
 from elastic_train.worker.sampler import ResumableSampler
 from elastic_train.worker.seeding import derive_seed
 from elastic_train.worker.sharded_recovery import ShardedLive
+from elastic_train.worker.step_parts import lr_factor, micro_batches
 from elastic_train.worker.timeline import process_start_time
 
 log = logging.getLogger(__name__)
@@ -67,16 +69,6 @@ class TrainerState:
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         self.reference_world_size = int(state.get("reference_world_size", 0))
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier of the peak LR for optimizer step ``step`` (0-based): warm-up, then decay."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / (total - warmup))
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -106,13 +98,6 @@ def warm_up(task: Task, built: Built, samples: int, lr: float) -> None:
     task.loss(built.model, batch).backward()
     optimizer.step()
     built.model.zero_grad(set_to_none=True)
-
-
-def micro_batches(indices: torch.Tensor, limit: int) -> list[torch.Tensor]:
-    """Split a rank's share into forward passes of at most ``limit`` samples (0: one pass)."""
-    if limit <= 0 or len(indices) <= limit:
-        return [indices]
-    return list(torch.split(indices, limit))
 
 
 class Trainer:
@@ -147,6 +132,8 @@ class Trainer:
             observers=observers, say=self._print)
         self.runtime.live = live
         self.events = self.runtime.events
+        self.runtime.replicas = ReplicaCheck(cfg.verify_every, self.events)
+        self._drill = BitflipDrill.parse(cfg.inject_bitflip)  # --inject-bitflip
         self.state = TrainerState()
         self._in_flight: dict[str, Any] | None = None
         """The sampler's state before the step in flight, until every rank agreed on it."""
@@ -255,6 +242,10 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
+        if self._drill is not None and self._drill.due(rank, self.state.step, self.env.first):
+            flipped = self._drill.apply(self.model, self.optimizer)
+            print(f"drill: rank {rank} flipped {flipped} after step {self.state.step} "
+                  "(--inject-bitflip)", file=sys.stderr, flush=True)
         self.state.samples_seen += global_batch
         self.watchdog.progress(self.state.step)
         return vote.loss_sum / global_batch, vote

@@ -47,7 +47,7 @@ from elastic_train.checkpoint.storage import MANIFEST
 from elastic_train.events.log import read_events
 from elastic_train.rundir import EVENTS_FILE
 from elastic_train.worker.sampler import epoch_order
-from elastic_train.worker.trainer import lr_factor
+from elastic_train.worker.step_parts import lr_factor
 from tests.etcd_server import EtcdServer, free_port
 from tests.integration import harness
 

@@ -74,6 +74,8 @@ VALID: dict[str, tuple[str, Any]] = {
     "--deterministic": ("true", True),
     "--parallelism": ("fsdp", "fsdp"),
     "--replica-group-size": ("4", 4),
+    "--verify-every": ("10", 10),
+    "--inject-bitflip": ("1:12:optimizer:3:7", "1:12:optimizer:3:7"),
     "--checkpoint-every": ("25", 25),
     "--checkpoint-interval": ("90.5", 90.5),
     "--keep-checkpoints": ("7", 7),
@@ -364,6 +366,11 @@ def test_wrong_type_of_run_dir_in_the_file(tmp_path: Path, text: str) -> None:
     (["--recovery", "inplace"], "--recovery inplace is invalid: it must be 'live' or 'restart'"),
     (["--replica-group-size", "-1"],
      "--replica-group-size -1 is invalid: it must be >= 0 (0: one group per node)"),
+    (["--verify-every", "-1"], "--verify-every -1 is invalid: it must be >= 0 (0 turns it off)"),
+    (["--inject-bitflip", "1:x"], "--inject-bitflip '1:x' is invalid: it must be "
+     "RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]"),
+    (["--inject-bitflip", "1:5:gradient"], "--inject-bitflip '1:5:gradient' is invalid: it "
+     "must be RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]"),
     (["--parallelism", "fsdp", "--run-dir", "s3://bucket/run"],
      "--parallelism fsdp with an object store run directory (s3://bucket/run) is not "
      "supported yet: sharded checkpoints need a filesystem every node shares; use such a "

@@ -33,7 +33,8 @@ from elastic_train.tasks.loader import load_task, resolve_factory
 from elastic_train.worker.distributed import Group
 from elastic_train.worker.env import WorkerEnv, read_worker_env
 from elastic_train.worker.seeding import derive_seed
-from elastic_train.worker.trainer import TrainerState, lr_factor, micro_batches
+from elastic_train.worker.step_parts import lr_factor, micro_batches
+from elastic_train.worker.trainer import TrainerState
 
 # --- lr_factor ----------------------------------------------------------------------------
 
