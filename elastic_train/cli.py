@@ -62,6 +62,7 @@ def _checkpoint_rows(store: CheckpointStorage) -> list[dict[str, Any]]:
             "valid": verdict.valid,
             "problem": verdict.problem,
             "model_digest": info.model_digest,
+            "certified": bool((info.manifest or {}).get("replicas_verified")),
         })
     return rows
 
@@ -106,13 +107,15 @@ def checkpoints_list(run_dir: RunDir, as_json: bool) -> int:
         print(f"no checkpoints under {RunDir(run_dir).checkpoints}")
     else:
         print(f"{'STEP':>8}  {'WORLD':>5}  {'TIME (UTC)':<19}  {'SIZE':>10}  {'VALID':<5}  "
-              "MODEL SHA256")
+              f"{'CERTIFIED':<9}  MODEL SHA256")
         for r in rows:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])) \
                 if r["time"] else "-"
             valid = "yes" if r["valid"] else "NO"
+            certified = "yes" if r["certified"] else "-"
             print(f"{r['step']:>8}  {r['world_size'] or '-':>5}  {when:<19}  "
-                  f"{_human_bytes(r['bytes']):>10}  {valid:<5}  {r['model_digest'] or '-'}")
+                  f"{_human_bytes(r['bytes']):>10}  {valid:<5}  {certified:<9}  "
+                  f"{r['model_digest'] or '-'}")
             if not r["valid"]:
                 print(f"{'':>8}  ^ {r['problem']}")
     for path in leftovers:

@@ -201,7 +201,9 @@ class ReplicaDivergenceError(ElasticTrainError):
     """Replicas that must hold the same state do not (silent data corruption: a flipped bit
     in weights or optimizer state, a wrong result of a kernel): the step's state is not
     trusted, nothing of it is checkpointed, and the job restarts from its newest checkpoint
-    (worker/replica_check.py)."""
+    (worker/replica_check.py). Every rank raises it alike: rank 0 alone says it."""
+
+    reported_by_rank0 = True
 
     def __init__(self, step: int, described: str, nodes: list[str]) -> None:
         self.step = step

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -35,6 +36,9 @@ __all__ = ["ReplicaCheck"]
 
 log = logging.getLogger(__name__)
 
+CERTIFIED = "replicas_verified"
+"""The manifest field of a checkpoint whose replicas were compared equal at its step
+(``elastic-train checkpoints list``: CERTIFIED)."""
 HOST_BYTES = 64
 """A rank's host name as the check gathers it (longer names are cut)."""
 
@@ -42,9 +46,12 @@ HOST_BYTES = 64
 class ReplicaCheck:
     """One worker's part of ``--verify-every`` (``every`` 0: off)."""
 
-    def __init__(self, every: int, events: EventLog) -> None:
+    def __init__(self, every: int, events: EventLog, sharded: bool = False,
+                 certify: dict[str, Any] | None = None) -> None:
         self.every = every
         self.events = events
+        if certify is not None:  # the checkpoints' metadata: each one compared at its step
+            certify[CERTIFIED] = every > 0 and not sharded
         self.checked = 0
         """Checks this worker took part in (each one all-gather)."""
         self._hosts: tuple[int, int, list[str]] | None = None

@@ -132,7 +132,8 @@ class Trainer:
             observers=observers, say=self._print)
         self.runtime.live = live
         self.events = self.runtime.events
-        self.runtime.replicas = ReplicaCheck(cfg.verify_every, self.events)
+        self.runtime.replicas = ReplicaCheck(cfg.verify_every, self.events, self.sharded,
+                                             certify=self.runtime.checkpoints.meta)
         self._drill = BitflipDrill.parse(cfg.inject_bitflip)  # --inject-bitflip
         self.state = TrainerState()
         self._in_flight: dict[str, Any] | None = None

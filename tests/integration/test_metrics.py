@@ -210,6 +210,7 @@ def test_metrics_bind_only_the_given_address_and_expose_only_the_documented(
         assert name.startswith("process_") or stems & documented or \
             {f"{stem}_total" for stem in stems} & documented, name
         assert {key for key, _ in labels} <= {"run_id", "rank", "node", "stage", "kind", "le",
-                                              "version", "torch_version", "python_version"}
+                                              "version", "torch_version", "python_version",
+                                              "suspect_rank", "suspect_node"}
     for private in (str(tmp_path), secret, "pace"):
         assert private.encode() not in text

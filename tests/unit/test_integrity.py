@@ -134,3 +134,34 @@ def test_the_policy_refuses_a_factor_or_window_that_means_nothing() -> None:
         StragglerWatch(factor=1.0)
     with pytest.raises(ValueError, match="at least 1 step"):
         StragglerWatch(window=0)
+
+
+# ---- the drill (--inject-bitflip) ------------------------------------------------------------
+def test_the_drill_flips_the_bit_it_names_of_a_weight_or_an_optimizer_state_once() -> None:
+    from elastic_train.integrity.drill import BitflipDrill
+
+    assert BitflipDrill.parse("") is None
+    assert BitflipDrill.parse("2:40") == BitflipDrill(2, 40, "weight", 0, 12)
+    drill = BitflipDrill.parse("1:3:optimizer:2:5")
+    assert drill == BitflipDrill(1, 3, "optimizer", 2, 5)
+    assert drill.due(1, 3, first_incarnation=True)
+    assert not drill.due(1, 3, first_incarnation=False)  # once per job: not after a restart
+    assert not drill.due(0, 3, True) and not drill.due(1, 4, True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="holds no state of weight yet"):
+        drill.apply(model, optimizer)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    before = optimizer.state[model.weight]["exp_avg"].clone()
+    assert drill.apply(model, optimizer) == "bit 5 of element 2 of weight (exp_avg)"
+    after = optimizer.state[model.weight]["exp_avg"]
+    changed = (before.view(-1).view(torch.int32) ^ after.view(-1).view(torch.int32)).tolist()
+    assert changed == [0, 0, 1 << 5] + [0] * 9
+    weight = model.weight.detach().clone()
+    assert BitflipDrill(0, 1).apply(model, optimizer) == "bit 12 of element 0 of weight"
+    diff = weight.view(-1).view(torch.int32) ^ model.weight.detach().view(-1).view(torch.int32)
+    assert diff.tolist() == [1 << 12] + [0] * 11
+    with pytest.raises(ValueError, match="target 'gradient'"):
+        BitflipDrill.parse("1:3:gradient")

@@ -377,3 +377,16 @@ def test_the_share_follows_the_global_batch_of_each_step() -> None:
     feed(metrics, {"event": "start", "time": 1.0, "world_size": 2, "total_steps": 9},
          step(1, 2.0), step(2, 3.0, global_batch=30))   # a batch policy doubled it
     assert value(registry, "elastic_train_samples_total", rank="1") == 8 + 15
+
+
+def test_a_divergence_of_the_replicas_counts_each_suspect_by_rank_and_node() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, WorkerEnv(run_id="r", world_size=3), batch_size=6,
+                            node="n")
+    feed(metrics, {"event": "replicas_diverged", "time": 1.0, "step": 15, "named": [1],
+                   "suspects": [1], "nodes": ["host-b"], "replicas": 3},
+         {"event": "replicas_diverged", "time": 2.0, "step": 40, "named": [],
+          "suspects": [0, 1], "nodes": ["host-a", "host-b"], "replicas": 2})
+    name = "elastic_train_replica_divergences_total"
+    assert value(registry, name, rank="0", suspect_rank="1", suspect_node="host-b") == 2
+    assert value(registry, name, rank="0", suspect_rank="0", suspect_node="host-a") == 1
