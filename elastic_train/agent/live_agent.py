@@ -26,17 +26,16 @@ live/coordination.py):
 
 It falls back to torch's restart path, unchanged, when live recovery cannot help: no worker
 holds the state anymore, the world had not restored its state yet or had left the training
-loop, the job asked for ``--recovery restart``, or the job spans nodes on a backend other
-than c10d or etcd-v3. Restarts of failed workers in place are bounded by ``--max-restarts``
-like group restarts, so a worker that fails again and again ends in the restart path, then
-the job's failure. Changes of membership spend none of them: the others re-formed the world
-without this node (it was cut off or frozen): it ends its workers and joins a new round, as
-a node that joins; a node joining when a peer is lost goes on into the next generation.
+loop, the job asked for ``--recovery restart``, or it spans nodes on a backend that does
+not re-form across nodes (rendezvous/backends.py). Restarts of failed workers in place
+count against ``--max-restarts`` like group restarts; changes of membership spend none: a
+node the others re-formed without (cut off, frozen) ends its workers and joins a new round;
+a node joining when a peer is lost goes on into the next generation.
 
 Every stop of the workers is told apart: torch's own stops (its restart path) leave a note
 that makes the workers' SIGTERM a restart, not a preemption (agent/environment.py's
 ``agent_stopping``); a SIGTERM to the agent is a preemption of this node, which leaves alone
-when the other nodes were not signalled (worker/runtime.decide). The agent never ends as if
+when the other nodes were not signalled (worker/vote.decide). The agent never ends as if
 the job were done unless its workers all finished (``NodeLeftError`` otherwise).
 
 This module holds torch's hooks (through agent/torch_seams.py's ``TorchAgent``) and the
@@ -241,8 +240,8 @@ class LiveRecoveryAgent(TorchAgent):
                 return self._start_round(worker_group)
             except RoundMemberLostError as exc:
                 log.warning("%s: this node goes into the next rendezvous round", exc)
-                handler = worker_group.spec.rdzv_handler
-                forget_nodes(handler, round_node_ids(handler, exc.missing))
+                forget_nodes(handler := worker_group.spec.rdzv_handler,  # the workers may
+                             round_node_ids(handler, exc.missing), stalled=True)  # wait for it
                 self.rendezvous(worker_group)
         return self._start_round(worker_group)  # the last attempt: its error is the agent's
 
@@ -270,7 +269,8 @@ class LiveRecoveryAgent(TorchAgent):
                                self.options.peer_timeout + LEASE_GRACE_MARGIN)
         self._round_agents = worker_group.group_world_size
         round_ = Round(worker_group.store, worker_group.group_rank,
-                       worker_group.group_world_size, frozenset(self._round_ours)) \
+                       worker_group.group_world_size, frozenset(self._round_ours),
+                       self._node.silent_in_round(worker_group.spec.rdzv_handler)) \
             if self._round_agents > 1 else None
         plan, raw = self._node.coordinator.agree_on_round(
             self._arrival(worker_group, self._holding()), round_, self._job_store(worker_group))

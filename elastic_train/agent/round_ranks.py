@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from elastic_train.errors import RoundMemberLostError
-from elastic_train.live.coordination import poll_for
+from elastic_train.live.round_waits import poll_for
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int
             return [int(k[len(ROLE_INFO_PREFIX):]) for k in of]
 
         missing = _wait_for(store, keys, deadline,
-                            lambda left: silent(ranks(left)) or _given_up(store))
+                            lambda left: _all_lost(store, ranks(left), silent))
         if missing:
             lost = _given_up(store) or ranks(missing)
             _give_up(store, lost)
@@ -105,6 +105,15 @@ def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int
         _give_up(store, lost)
         raise RoundMemberLostError(lost, group_world_size, _waited(began, seconds))
     return RoundRanks(*json.loads(store.get(mine)), ours=ours)
+
+
+def _all_lost(store: dist.Store, missing: list[int], silent: Callable[[list[int]], bool]
+              ) -> bool:
+    """Whether every member of ``missing`` is lost: suspected by the failure detector, or
+    given up on by another member. One that nobody suspects is waited for (it may only be
+    slow: naming it would take it out of the next round too)."""
+    given_up = set(_given_up(store) or ())
+    return all(rank in given_up or silent([rank]) for rank in missing)
 
 
 def _give_up(store: dist.Store, lost: list[int]) -> None:

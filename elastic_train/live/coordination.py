@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
+import elastic_train.live.round_waits as waits
 from elastic_train.errors import RoundMemberLostError
 from elastic_train.live.plan import Arrival, Plan, plan_reformation, plan_round
 
@@ -70,6 +71,8 @@ member goes into the next rendezvous round (a stock round instead turned live re
 until the next round: the fault campaign, c10d seed 642's replay, a cable pulled 13.5 s)."""
 ROUND_PREFIX = "elastic_train/live"
 COMMITTED_KEY = f"{ROUND_PREFIX}/plan"
+LOST_KEY = f"{ROUND_PREFIX}/lost"
+"""The round's agents that an agent of it gave up on (live/round_waits.py)."""
 """The newest committed plan: in the rendezvous' store under the job's prefix (across
 rounds: the agent's job store), and each round's first plan in the round's store too."""
 ARRIVE_SECONDS = 10.0
@@ -92,7 +95,6 @@ value: the generation it leaves). Without it, the member that noticed the failur
 leaving agent, busy with torch's restart path, and waited ``ARRIVE_SECONDS`` for it; the
 leaving node's new rendezvous round meanwhile closed with it alone, trained from the newest
 checkpoint and took the job's plan over (the fault campaign, etcd-v3 seed 561)."""
-_POLL_FIRST, _POLL_MAX = 0.02, 0.25
 
 
 class Store(Protocol):
@@ -140,21 +142,6 @@ def leaving_key(agent: str) -> str:
 
 def plan_key(generation: int) -> str:
     return f"{PREFIX}/reform/{generation}/plan"
-
-
-def poll_for(store: Store, keys: list[str], seconds: float) -> bool:
-    """Whether every key of ``keys`` is set in ``store`` within ``seconds``, polled: a
-    blocking wait on c10d's ``TCPStore`` holds its client (and the rendezvous' heartbeats)
-    for its length (agent/round_ranks.py polls the same way)."""
-    deadline = time.monotonic() + seconds
-    pause = _POLL_FIRST
-    while not store.check(keys):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, _POLL_MAX)
-    return True
 
 
 @dataclass(frozen=True)
@@ -272,6 +259,8 @@ class Round:
     """(Known to rank 0) the ranks whose agents are ours (their rank assignment says so):
     one of them that does not say what it brings was lost right after the round closed,
     and the round is done again without it, not started the torch way."""
+    suspect: waits.Suspect | None = None
+    """Whether the failure detector suspects one of these ranks (live/round_waits.py)."""
 
 
 class Coordinator:
@@ -329,14 +318,17 @@ class Coordinator:
         keys = [f"{ROUND_PREFIX}/arrival/{r}" for r in range(round_.size)]
         store.set(keys[round_.rank], arrival.encode())
         if round_.rank == 0:
-            try:
-                store.wait(keys, timedelta(seconds=MIXED_ROUND_SECONDS))
-            except (RuntimeError, TimeoutError):  # torch's stores time out: DistStoreError
-                missing = [r for r, key in enumerate(keys) if not store.check([key])]
-                if missing and set(missing) <= round_.ours:
-                    commit_plan(store, COMMITTED_KEY, b"", NEXT_ROUND)
-                    raise RoundMemberLostError(missing, round_.size, MIXED_ROUND_SECONDS,
-                                               "say what they bring") from None
+            began, suspect = time.monotonic(), round_.suspect or (lambda ranks: False)
+            missing = waits.wait_for_arrivals(store, keys, MIXED_ROUND_SECONDS, LOST_KEY,
+                                        lambda m: set(m) <= round_.ours and suspect(m))
+            if missing and set(missing) <= round_.ours:
+                lost = waits.marked_lost(store, LOST_KEY) or missing
+                waits.mark_lost(store, LOST_KEY, lost)
+                commit_plan(store, COMMITTED_KEY, b"", NEXT_ROUND)
+                raise RoundMemberLostError(lost, round_.size,
+                                           waits.waited(began, MIXED_ROUND_SECONDS),
+                                           "say what they bring")
+            if missing:
                 raw = commit_plan(store, COMMITTED_KEY, b"", STOCK_ROUND)
             else:
                 try:
@@ -352,13 +344,16 @@ class Coordinator:
             except (RuntimeError, TimeoutError):
                 raw = STOCK_ROUND  # group rank 0 is not ours: it decides nothing
             else:
-                if not poll_for(store, [COMMITTED_KEY], plan_seconds):
-                    raise RoundMemberLostError([0], round_.size, plan_seconds,
+                began = time.monotonic()
+                if not waits.wait_for_plan(store, COMMITTED_KEY, plan_seconds, keys, LOST_KEY,
+                                     round_.suspect):
+                    raise RoundMemberLostError([0], round_.size, waits.waited(began, plan_seconds),
                                                "commit the round's plan")
                 raw = store.get(COMMITTED_KEY)
-                if raw == NEXT_ROUND:
-                    raise RoundMemberLostError([], round_.size, MIXED_ROUND_SECONDS,
-                                               "say what it brings")
+                if raw == NEXT_ROUND:  # rank 0 says whom it missed: each leaves them out
+                    raise RoundMemberLostError(waits.marked_lost(store, LOST_KEY) or [],
+                                               round_.size, MIXED_ROUND_SECONDS,
+                                               "say what they bring")
         if raw == STOCK_ROUND:
             log.warning("an agent of this rendezvous round is not elastic-train run's (plain "
                         "torchrun?): this round starts every worker the torch way, from the "

@@ -246,9 +246,10 @@ def test_a_round_whose_member_of_ours_never_says_what_it_brings_is_done_again_wi
     assert isinstance(lost_0, RoundMemberLostError) and lost_0.missing == [2]
     assert str(lost_0) == ("member(s) [2] of a rendezvous round of 3 did not say what they "
                            "bring within 0.2 s (lost right after the round closed)")
-    assert isinstance(lost_1, RoundMemberLostError) and lost_1.missing == []
-    assert str(lost_1) == ("a member of the rendezvous round of 3 did not say what it brings "
-                           "within 0.2 s (lost right after the round closed)")
+    # rank 0 says whom it missed: every member names it, and leaves it out of the next round
+    assert isinstance(lost_1, RoundMemberLostError) and lost_1.missing == [2]
+    assert str(lost_1) == ("member(s) [2] of a rendezvous round of 3 did not say what they "
+                           "bring within 0.2 s (lost right after the round closed)")
     assert not job.check([COMMITTED_KEY])  # no plan taken over: the next round decides
     # C, back late, goes into the next round too
     late = Coordinator(C, network.store(C), network.peers(C))
@@ -260,17 +261,84 @@ def test_a_round_whose_member_of_ours_never_says_what_it_brings_is_done_again_wi
     assert plan is None
 
 
+def _agree_in_threads(round_store: MemoryStore, job: MemoryStore,
+                      members: list[tuple[str, int, object]]) -> dict[str, object]:
+    """Agents of one round of 3 agree at once (C, rank 2, is lost: it never says what it
+    brings); each member is (address, rank, its detector's ``suspect``). What each got."""
+    network, results = Network(), {}
+
+    def agree(address: str, rank: int, suspect: object) -> None:
+        coordinator = Coordinator(address, network.store(address), network.peers(address))
+        began = time.monotonic()
+        try:
+            coordinator.agree_on_round(Arrival(address, 2), Round(
+                round_store, rank, 3, frozenset({0, 1, 2}), suspect), job)  # type: ignore[arg-type]
+        except RoundMemberLostError as exc:
+            results[address] = (exc, time.monotonic() - began)
+
+    threads = [threading.Thread(target=agree, args=m) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    return results
+
+
+def test_a_member_lost_as_the_round_closed_is_given_up_at_once_when_suspected() -> None:
+    """The fault campaign, etcd-v3 seed 905 (9c51e2c's soak): B's incoming packets were
+    dropped right as the round it formed with A and C closed. Rank 0 waited its 5 s for B
+    to say what it brings, though A's failure detector had suspected B 1.4 s in; A and C
+    then went into the next round without knowing whom rank 0 missed, and that round
+    waited for B's lease and its last call: 10.8 s to the next step. Now the wait ends as
+    soon as a detector suspects the missing member (rank 0's or any member's), and every
+    member names it (and so leaves it out of the next round)."""
+    suspects_c = (lambda ranks: 2 in ranks)  # noqa: E731 - a detector that suspects C
+    # rank 0's own detector suspects C
+    results = _agree_in_threads(MemoryStore(), MemoryStore(),
+                                [(A, 0, suspects_c), (B, 1, None)])
+    assert {a: (exc.missing, took < 2.0) for a, (exc, took) in results.items()} == {
+        A: ([2], True), B: ([2], True)}
+    # only B's detector suspects C: B says so, and rank 0 gives up on C at once
+    results = _agree_in_threads(MemoryStore(), MemoryStore(),
+                                [(A, 0, None), (B, 1, suspects_c)])
+    assert {a: (exc.missing, took < 2.0) for a, (exc, took) in results.items()} == {
+        A: ([2], True), B: ([2], True)}
+    # nobody suspects C: rank 0's bound (5 s), then the same
+    results = _agree_in_threads(MemoryStore(), MemoryStore(), [(A, 0, None), (B, 1, None)])
+    assert {a: exc.missing for a, (exc, _) in results.items()} == {A: [2], B: [2]}
+    assert min(took for _, took in results.values()) >= 4.5
+
+
+def test_a_member_whose_detector_suspects_rank_0_gives_up_on_the_plan_at_once() -> None:
+    round_store, job = MemoryStore(), MemoryStore()
+    round_store.set(f"{coordination.ROUND_PREFIX}/arrival/0", Arrival(A, 2).encode())
+    member = Coordinator(B, Network().store(B), Network().peers(B))
+    began = time.monotonic()
+    with pytest.raises(RoundMemberLostError) as lost:
+        member.agree_on_round(Arrival(B, 2), Round(round_store, 1, 3, frozenset(),
+                                                   lambda ranks: 0 in ranks), job)
+    assert lost.value.missing == [0] and time.monotonic() - began < 2.0  # 10 s before
+    assert "did not commit the round's plan within 0" in str(lost.value)
+
+
 def test_the_coordination_imports_no_torch() -> None:
     import ast
     from pathlib import Path
 
-    tree = ast.parse(Path(coordination.__file__).read_text())
-    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
-    # the plan, and the errors it raises (a leaf module: it imports nothing of ours)
+    from elastic_train.live import round_waits
+
+    def imports(module: object) -> set[str]:
+        tree = ast.parse(Path(module.__file__).read_text())  # type: ignore[attr-defined]
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        return names | {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+
+    modules = imports(coordination)
+    assert not {m for m in modules | imports(round_waits)
+                if m == "torch" or m.startswith("torch.")}
+    # the plan, the round's waits and the errors it raises (leaves: they import nothing of ours)
     assert {m for m in modules if m.startswith("elastic_train.")} == {
-        "elastic_train.live.plan", "elastic_train.errors"}
+        "elastic_train.live.plan", "elastic_train.live.round_waits", "elastic_train.errors"}
+    assert not {m for m in imports(round_waits) if m.startswith("elastic_train.")}
 
 
 def test_a_member_that_takes_the_call_and_falls_silent_is_not_waited_for() -> None:

@@ -215,3 +215,19 @@ def test_when_rank_0_gives_up_on_a_silent_member_the_others_stop_waiting_at_once
         lambda: assign_round_ranks(client(other), 2, 3, "r", 1, seconds=30.0)])
     assert isinstance(alone, RoundMemberLostError) and alone.missing == [0]
     assert isinstance(follower, RoundMemberLostError) and follower.missing == [0]
+
+
+def test_a_slow_member_is_not_named_with_the_silent_one() -> None:
+    """Rank 0's detector suspects member 2; member 1 is alive but takes a moment to write
+    its role: only member 2 is named (named members leave the next round too)."""
+    master = server()
+    late = threading.Timer(0.8, lambda: client(master).set(
+        "torchelastic/role_info/1", b'{"role": "r", "rank": 1, "local_world_size": 1}'))
+    late.start()
+    try:
+        with pytest.raises(RoundMemberLostError) as caught:
+            assign_round_ranks(client(master), 0, 3, "r", 1, lambda ranks: 2 in ranks,
+                               seconds=30.0)
+    finally:
+        late.join(5)
+    assert caught.value.missing == [2]
