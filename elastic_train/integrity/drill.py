@@ -52,8 +52,8 @@ class BitflipDrill:
         tensor = param.data
         if self.target == "optimizer":
             state = optimizer.state.get(param, {})
-            found = [(k, v) for k, v in state.items()
-                     if isinstance(v, torch.Tensor) and v.numel() > self.index]
+            found = [(k, v) for k, v in state.items()  # a moment, not Adam's step count
+                     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() > self.index]
             if not found:
                 raise ValueError(f"--inject-bitflip: the optimizer holds no state of {name} "
                                  "yet (flip it after its first step)")
