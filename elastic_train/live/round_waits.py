@@ -103,10 +103,11 @@ def wait_for_arrivals(store: Any, keys: Sequence[str], seconds: float, lost_key:
 
 def wait_for_plan(store: Any, plan_key: str, seconds: float, keys: Sequence[str],
                   lost_key: str, suspect: Suspect | None) -> bool:
-    """An agent but rank 0: poll until ``plan_key`` is set (True), ``seconds`` pass or
-    rank 0 is suspected or given up on (False). Meanwhile, when agents of the round have
-    not said what they bring and the detector (``suspect``) suspects them, say so
-    (``mark_lost``): rank 0 then gives up on them at once instead of at its bound."""
+    """An agent but rank 0: poll until ``plan_key`` is set (True) or ``seconds`` pass
+    (False). Meanwhile, when agents of the round have not said what they bring and the
+    detector (``suspect``) suspects them, say so (``mark_lost``): rank 0 then gives up on
+    them at once instead of at its bound (its word, a plan or the next round, is what
+    every member follows)."""
     deadline = time.monotonic() + seconds
     pause, next_look, told = _POLL_FIRST, 0.0, False
     missing = list(range(len(keys)))
@@ -116,11 +117,10 @@ def wait_for_plan(store: Any, plan_key: str, seconds: float, keys: Sequence[str]
             return False
         if now >= next_look:
             next_look = now + SILENT_CHECK_SECONDS
-            if 0 in (marked_lost(store, lost_key) or ()):
-                return False  # rank 0 was given up on: no plan comes
-            if suspect is not None and suspect([0]):
-                mark_lost(store, lost_key, [0])
-                return False
+            # Never given up on rank 0 early: a suspicion outlives the silence (the detector
+            # keeps it until the next plan), and a member that left while rank 0 committed
+            # a plan with it split the round (the two worlds' writers fenced each other:
+            # test_c10d_a_node_cut_off_rejoins_when_back_scaling_the_lr). Rank 0 decides.
             if suspect is not None and not told and suspect(missing):
                 missing = _missing(store, keys, missing)  # who of the round has not said?
                 suspected = [r for r in missing if suspect([r])]
