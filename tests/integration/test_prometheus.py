@@ -174,7 +174,7 @@ def restart_rendezvous(observed: Observed) -> float:
 def test_alert_rules_load_evaluate_and_fire_on_the_restart(observed: Observed) -> None:
     server = observed.server()
     rules = [r for g in server.api("rules")["groups"] for r in g["rules"]]
-    assert len(rules) == 6
+    assert len(rules) == 7
     assert all(r["health"] == "ok" for r in rules), rules
     fired = server.query('max by (alertname, run_id) (max_over_time('
                          'ALERTS{alertstate="firing"}[10m]))', at=observed.final)
