@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from elastic_train.errors import RoundMemberLostError
-from elastic_train.live.round_waits import poll_for
+from elastic_train.live.round_waits import mark_lost, marked_lost, poll_for, waited
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +93,18 @@ def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int
         missing = _wait_for(store, keys, deadline,
                             lambda left: _all_lost(store, ranks(left), silent))
         if missing:
-            lost = _given_up(store) or ranks(missing)
-            _give_up(store, lost)
-            raise RoundMemberLostError(lost, group_world_size, _waited(began, seconds))
+            lost = marked_lost(store, GIVEN_UP_KEY) or ranks(missing)
+            mark_lost(store, GIVEN_UP_KEY, lost)
+            raise RoundMemberLostError(lost, group_world_size, waited(began, seconds))
         infos = store.multi_get(keys)
         store.multi_set(*_assigned(infos))
         ours = tuple(i for i, info in enumerate(infos) if json.loads(info).get(OURS_FIELD))
     mine = f"{ASSIGNED_RANKS_PREFIX}{group_rank}"
-    if _wait_for(store, [mine], deadline, lambda _: silent([0]) or _given_up(store)):
-        lost = _given_up(store) or ([0] if silent([0]) else [])
-        _give_up(store, lost)
-        raise RoundMemberLostError(lost, group_world_size, _waited(began, seconds))
+    if _wait_for(store, [mine], deadline,
+                 lambda _: silent([0]) or marked_lost(store, GIVEN_UP_KEY) is not None):
+        lost = marked_lost(store, GIVEN_UP_KEY) or ([0] if silent([0]) else [])
+        mark_lost(store, GIVEN_UP_KEY, lost)
+        raise RoundMemberLostError(lost, group_world_size, waited(began, seconds))
     return RoundRanks(*json.loads(store.get(mine)), ours=ours)
 
 
@@ -112,27 +113,8 @@ def _all_lost(store: dist.Store, missing: list[int], silent: Callable[[list[int]
     """Whether every member of ``missing`` is lost: suspected by the failure detector, or
     given up on by another member. One that nobody suspects is waited for (it may only be
     slow: naming it would take it out of the next round too)."""
-    given_up = set(_given_up(store) or ())
+    given_up = set(marked_lost(store, GIVEN_UP_KEY) or ())
     return all(rank in given_up or silent([rank]) for rank in missing)
-
-
-def _give_up(store: dist.Store, lost: list[int]) -> None:
-    """Tell the round's other members that this one gave up on it (``GIVEN_UP_KEY``);
-    the first word stays. Best effort: the others' bound still holds."""
-    try:
-        store.compare_set(GIVEN_UP_KEY, "", json.dumps(lost))
-    except Exception as exc:  # the store may be the lost member's
-        log.debug("could not tell the round that this member gave up: %s", exc)
-
-
-def _given_up(store: dist.Store) -> list[int] | None:
-    """The members another member of the round gave up on (None: nobody gave up)."""
-    try:
-        if not store.check([GIVEN_UP_KEY]):
-            return None
-        return [int(r) for r in json.loads(store.get(GIVEN_UP_KEY))]
-    except Exception:  # read as nobody: the bound holds
-        return None
 
 
 def _assigned(infos: list[bytes]) -> tuple[list[str], list[str]]:
@@ -151,12 +133,6 @@ def _assigned(infos: list[bytes]) -> tuple[list[str], list[str]]:
         base += info["local_world_size"]
         role_ranks[info["role"]] += info["local_world_size"]
     return keys, values
-
-
-def _waited(began: float, bound: float) -> float:
-    """The seconds a wait took, as its error says them: the bound once it passed."""
-    took = time.monotonic() - began
-    return bound if took >= bound else round(took, 1)
 
 
 SILENT_CHECK_SECONDS = 0.25

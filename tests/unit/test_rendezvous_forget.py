@@ -93,6 +93,20 @@ def _participants(handler: Any) -> set[str]:
     return {repr(n) for n in holder.state.participants}
 
 
+def _join_and_wait_seen(c: Any, a: Any) -> tuple[threading.Thread, list[Any]]:
+    """``c`` goes into the rendezvous (in a thread); returns once ``a`` sees it waiting
+    (what a's agent watches for), bounded by ``JOIN_SECONDS``: the thread, and where its
+    result lands."""
+    joined: list[Any] = []
+    waiting = threading.Thread(target=lambda: joined.extend(_all_rendezvous(c)), daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + JOIN_SECONDS
+    while a.num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "the new node never showed up as waiting"
+        time.sleep(0.05)
+    return waiting, joined
+
+
 def _lose_b_then_join_c(make: Callable[[], Any], forget: bool) -> list[Any]:
     a, b = make(), make()
     first = _all_rendezvous(a, b)
@@ -103,13 +117,7 @@ def _lose_b_then_join_c(make: Callable[[], Any], forget: bool) -> list[Any]:
         assert forget_nodes(a, [rendezvous_node_id(b)]) == [rendezvous_node_id(b)]
         assert _participants(a) == {rendezvous_node_id(a)}
     c = make()
-    joined: list[Any] = []
-    waiting = threading.Thread(target=lambda: joined.extend(_all_rendezvous(c)), daemon=True)
-    waiting.start()
-    deadline = time.monotonic() + JOIN_SECONDS
-    while a.num_nodes_waiting() == 0:  # what a's agent watches for
-        assert time.monotonic() < deadline, "the new node never showed up as waiting"
-        time.sleep(0.05)
+    waiting, joined = _join_and_wait_seen(c, a)
     if forget:  # a node waiting to join is alive: never removed, also when asked to
         assert forget_nodes(a, [rendezvous_node_id(c)]) == [] and a.num_nodes_waiting() == 1
     again = _all_rendezvous(a)
@@ -141,14 +149,9 @@ def _join_c_while_b_falls_silent(make: Callable[..., Any], leave_out: bool,
     a, b = make(last_call), make(last_call)
     assert [i.world_size for i in _all_rendezvous(a, b)] == [2, 2]
     b._stop_heartbeats()
-    c, observer = make(last_call), make(last_call)
-    joined: list[Any] = []
-    waiting = threading.Thread(target=lambda: joined.extend(_all_rendezvous(c)), daemon=True)
-    waiting.start()
+    observer = make(last_call)
+    waiting, joined = _join_and_wait_seen(make(last_call), a)
     deadline = time.monotonic() + JOIN_SECONDS
-    while a.num_nodes_waiting() == 0:  # what a's agent watches for
-        assert time.monotonic() < deadline, "the new node never showed up as waiting"
-        time.sleep(0.05)
     again: list[Any] = []
     in_round = threading.Thread(target=lambda: again.extend(_all_rendezvous(a)), daemon=True)
     in_round.start()
