@@ -350,10 +350,10 @@ class Coordinator:
                     raise RoundMemberLostError([0], round_.size, waits.waited(began, plan_seconds),
                                                "commit the round's plan")
                 raw = store.get(COMMITTED_KEY)
-                if raw == NEXT_ROUND:  # rank 0 says whom it missed: each leaves them out
-                    raise RoundMemberLostError(waits.marked_lost(store, LOST_KEY) or [],
-                                               round_.size, MIXED_ROUND_SECONDS,
-                                               "say what they bring")
+                if raw == NEXT_ROUND:  # whom rank 0 missed (never itself: it came late)
+                    raise RoundMemberLostError([r for r in waits.marked_lost(store, LOST_KEY)
+                                                or [] if r != round_.rank], round_.size,
+                                               MIXED_ROUND_SECONDS, "say what they bring")
         if raw == STOCK_ROUND:
             log.warning("an agent of this rendezvous round is not elastic-train run's (plain "
                         "torchrun?): this round starts every worker the torch way, from the "
