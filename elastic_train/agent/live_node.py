@@ -103,11 +103,12 @@ class LiveNode:
 
     def silent_in_round(self, handler: RendezvousHandler) -> Callable[[list[int]], bool]:
         """Whether a member of the round ``handler`` just closed, by its rank there, is an
-        agent of the current generation that the failure detector suspects (its wait ends
-        at once: agent/round_ranks.py)."""
+        agent of the current generation that the failure detector suspects now, not merely
+        since the plan (its wait ends at once: agent/round_ranks.py, live/round_waits.py)."""
 
         def silent(ranks: list[int]) -> bool:
-            plan, suspects = self.coordinator.plan, self.silent()
+            plan = self.coordinator.plan
+            suspects = self.silence.silent_now(plan) if self.silence and plan else set()
             if plan is None or not suspects:
                 return False
             nodes = {m.rdzv_node for m in plan.members if m.agent in suspects}

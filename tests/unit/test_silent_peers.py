@@ -6,6 +6,8 @@ rendezvous does with ``forget_nodes`` is its own test (test_lease_rendezvous.py)
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 
 from elastic_train.agent.silent_peers import SilentPeers
@@ -65,3 +67,58 @@ def test_a_member_already_silent_is_left_out_as_the_agent_goes_into_the_round() 
             assert handler.forgotten == [{"node-1"}]
     finally:
         a.close()
+
+
+class Responder:
+    """A peer's answering side that can be cut off and put back: it answers the detector's
+    pings only while ``answering`` is set (a pulled cable, then the cable back)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)
+        self.beat = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.answering = threading.Event()
+        self.answering.set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, sender = self.sock.recvfrom(512)
+            except OSError:
+                continue
+            if self.answering.is_set():
+                message = json.loads(data)
+                self.sock.sendto(json.dumps({"pong": message["ping"],
+                                             "from": message["to"]}).encode(), sender)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+
+def test_a_peer_heard_again_is_silent_since_the_plan_but_no_longer_silent_now() -> None:
+    """The round's waits ask ``silent_now``: a node back from a pulled cable joined a round
+    with the peer it had suspected while cut off and, as the round's rank 0, gave up on it
+    at once (a world of its own: worlds 2, 1, 2, 1, 2 in CI's run of a3f57e3)."""
+    a = SilentPeers("127.0.0.1", "127.0.0.1", TIMEOUT, lambda: None, None)
+    b = Responder()
+    plan = Plan(1, LIVE, (Member("agent-0", 1, "node-0", a.beat),
+                          Member("agent-1", 1, "node-1", b.beat)), "agent-0", "start")
+    try:
+        a.adopted("agent-0", plan)
+        wait_until(lambda: a.silent(plan) == set() and a.silent_now(plan) == set(),
+                   10 * TIMEOUT, "nobody suspected while both answer")
+        b.answering.clear()                                  # the cable pulled
+        wait_until(lambda: a.silent_now(plan) == {"agent-1"}, 10 * TIMEOUT, "suspected")
+        assert a.silent(plan) == {"agent-1"}
+        b.answering.set()                                    # and put back
+        wait_until(lambda: a.silent_now(plan) == set(), 10 * TIMEOUT, "heard again")
+        assert a.silent(plan) == {"agent-1"}                 # the loop's re-formation keeps it
+    finally:
+        a.close()
+        b.close()
