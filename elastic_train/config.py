@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import enum
-import json
 import re
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_train.config_file import check_file_types, read_config_file
 from elastic_train.errors import ConfigError
 
 OptionValue = str | int | float | bool
@@ -37,6 +35,11 @@ OptionValue = str | int | float | bool
 BATCH_POLICIES = ("constant", "scale-lr")
 PARALLELISMS = ("ddp", "fsdp", "hsdp")
 SAVE_FAILURE_POLICIES = ("continue", "stop")
+STRAGGLER_POLICIES = ("off", "warn")
+"""``--straggler-policy``: off (not measured, not exchanged) or warn (named in a line, an
+event and a metric; it trains on). Eviction (issue 41) is not built yet."""
+SLOWDOWN = re.compile(r"\d+:\d+(\.\d+)?(:\d+)?")
+"""``--inject-slowdown RANK:FACTOR[:STEP]`` (integrity/slowdown.py)."""
 DRILL = re.compile(r"\d+:\d+(:(weight|optimizer)(:\d+(:\d+)?)?)?")
 
 
@@ -80,6 +83,12 @@ class TrainConfig:
     """Compare the replicas' fingerprints every N steps and at every checkpoint (0: off)."""
     inject_bitflip: str = ""
     """The drill: ``RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]`` (integrity/drill.py)."""
+    straggler_policy: str = "warn"
+    """``off`` or ``warn``: a rank slower than its peers is named (integrity/stragglers.py)."""
+    straggler_factor: float = 1.5
+    straggler_window: int = 50
+    inject_slowdown: str = ""
+    """The straggler drill: ``RANK:FACTOR[:STEP]`` (integrity/slowdown.py)."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +267,16 @@ OPTIONS: tuple[Option, ...] = (
            "first parameter ('weight') or of its first optimizer state ('optimizer') on "
            "RANK after optimizer step STEP, once per job", str,
            "RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]"),
+    Option("--straggler-policy", "train", "straggler_policy", "off, or warn: a rank whose "
+           "step compute is slower than its peers' median by --straggler-factor over "
+           "--straggler-window steps is named (a line, an event, a metric) and trains on"),
+    Option("--straggler-factor", "train", "straggler_factor", "how much slower than the "
+           "others' median a straggler is", float, "F"),
+    Option("--straggler-window", "train", "straggler_window", "steps over which each "
+           "rank's step compute is averaged before the ranks are compared", int, "W"),
+    Option("--inject-slowdown", "train", "inject_slowdown", "drill: run RANK's worker at "
+           "1/FACTOR of its speed from step STEP (SIGSTOP/SIGCONT on a duty cycle)", str,
+           "RANK:FACTOR[:STEP]"),
     Option("--checkpoint-every", "checkpoint", "every_steps",
            "checkpoint every N steps ('off' to only use --checkpoint-interval)",
            _optional_positive_int, "N"),
@@ -302,64 +321,6 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _unknown(kind: str, key: str, known: Sequence[str], fix: str) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"unknown {kind} {key!r}{hint}: {fix}; known: {', '.join(known)}")
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Parse a TOML or JSON config file into the nested layout; no validation of values."""
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist: pass --config with a .toml or .json")
-    try:
-        if path.suffix == ".json":
-            data = json.loads(path.read_text())
-        else:
-            data = tomllib.loads(path.read_text())
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"config file {path} cannot be parsed ({exc}): fix its syntax") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a table of sections, not {type(data)}")
-    top_known = ["run_dir", *SECTIONS]
-    for key, value in data.items():
-        if key not in top_known:
-            raise _unknown("config key", key, top_known, f"remove it from {path}")
-        if key in SECTIONS:
-            if not isinstance(value, dict):
-                raise ConfigError(f"config file {path}: [{key}] must be a table")
-            known = _field_names(SECTIONS[key])
-            for sub in value:
-                if sub not in known:
-                    raise _unknown(f"config key in [{key}]", sub, known, f"remove it from {path}")
-    return data
-
-
-_FILE_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
-    "int | None": (int, type(None)), "float | None": (int, float, type(None)),
-    "str | None": (str, type(None)),
-    "Mapping[str, OptionValue]": (dict,),
-}
-
-
-def _check_file_types(section: str, values: Mapping[str, Any]) -> None:
-    hints = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
-    for key, value in values.items():
-        if key == "task_options" and isinstance(value, dict):
-            for name, option in value.items():
-                if not isinstance(option, (str, int, float, bool)):
-                    raise ConfigError(f"[{section}] task_options.{name} = {option!r} is "
-                                      "invalid: expected a string, number or boolean")
-        allowed = _FILE_TYPES[str(hints[key])]
-        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
-            raise ConfigError(f"[{section}] {key} = {value!r} is invalid: expected {hints[key]}")
-
-
 def _check(condition: bool, flag: str, value: Any, requirement: str) -> None:
     if not condition:
         raise ConfigError(f"{flag} {value} is invalid: it must be {requirement}")
@@ -387,6 +348,13 @@ def validate(config: JobConfig) -> JobConfig:
     _check(t.verify_every >= 0, "--verify-every", t.verify_every, ">= 0 (0 turns it off)")
     _check(not t.inject_bitflip or bool(DRILL.fullmatch(t.inject_bitflip)), "--inject-bitflip",
            repr(t.inject_bitflip), "RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]")
+    _check(t.straggler_policy in STRAGGLER_POLICIES, "--straggler-policy", t.straggler_policy,
+           "'off' or 'warn' (eviction is not built yet)")
+    _check(t.straggler_factor > 1, "--straggler-factor", t.straggler_factor, "above 1")
+    _check(t.straggler_window >= 1, "--straggler-window", t.straggler_window, ">= 1 step")
+    _check(not t.inject_slowdown or (bool(SLOWDOWN.fullmatch(t.inject_slowdown))
+                                     and float(t.inject_slowdown.split(":")[1]) > 1),
+           "--inject-slowdown", repr(t.inject_slowdown), "RANK:FACTOR[:STEP], FACTOR above 1")
     if t.parallelism != "ddp" and isinstance(config.run_dir, str):
         raise ConfigError(f"--parallelism {t.parallelism} with an object store run directory "
                           f"({config.run_dir}) is not supported yet: sharded checkpoints "
@@ -501,10 +469,10 @@ def config_from_namespace(ns: argparse.Namespace) -> JobConfig:
     given = vars(ns)
     layered: dict[str, Any] = {}
     if "config" in given:
-        layered = read_config_file(given["config"])
+        layered = read_config_file(given["config"], SECTIONS)
     sections = {name: dict(layered.get(name, {})) for name in SECTIONS}
     for name, values in sections.items():
-        _check_file_types(name, values)
+        check_file_types(name, SECTIONS[name], values)
     top: dict[str, Any] = {}
     if "run_dir" in layered:
         if not isinstance(layered["run_dir"], str) or not layered["run_dir"]:

@@ -34,6 +34,7 @@ class Event(StrEnum):
     STOPPED = "stopped"
     HANG = "hang"
     REPLICAS_DIVERGED = "replicas_diverged"
+    STRAGGLER = "straggler"
     END = "end"
     CHECKPOINT_LEFTOVER_REMOVED = "checkpoint_leftover_removed"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -196,7 +197,8 @@ class Step(EventRecord):
 
     event: ClassVar[Event] = Event.STEP
     omitted_when_none: ClassVar[frozenset[str]] = frozenset(
-        {"lr", "epoch", "samples", "global_batch", "seconds"})
+        {"lr", "epoch", "samples", "global_batch", "seconds", "compute_seconds",
+         "straggler_score"})
     step: int
     loss: float | None
     lr: float | None = None
@@ -205,6 +207,10 @@ class Step(EventRecord):
     samples: int | None = None
     global_batch: int | None = None
     seconds: float | None = None
+    compute_seconds: float | None = None
+    """This rank's local part of the step (--straggler-policy: worker/straggler_check.py)."""
+    straggler_score: float | None = None
+    """This rank's compute over the others' median, at this step."""
     restart: int
 
 
@@ -256,6 +262,24 @@ class ReplicasDiverged(EventRecord):
     suspects: list[int]
     nodes: list[str]
     replicas: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Straggler(EventRecord):
+    """``rank`` (on host ``node``) computed slower than its peers: the median of its scores
+    (its compute time over the others' median) over the last ``window`` steps was
+    ``score``, above ``factor``. Said once per streak; ``policy`` says what follows."""
+
+    event: ClassVar[Event] = Event.STRAGGLER
+    step: int
+    rank: int
+    node: str
+    score: float
+    compute_seconds: float
+    others_seconds: float
+    factor: float
+    window: int
+    policy: str
 
 
 @dataclass(frozen=True, kw_only=True)

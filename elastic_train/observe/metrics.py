@@ -205,6 +205,10 @@ class WorkerMetrics:
                                   "replicas' state (--verify-every) that found a suspect "
                                   "rank, by that rank and its node (silent data corruption)",
                                   extra=("suspect_rank", "suspect_node"))
+        self.stragglers = family(Counter, "stragglers", "Rank 0: ranks named stragglers "
+                                 "(--straggler-policy: compute slower than the others' median "
+                                 "by the factor over the window), by that rank and its node",
+                                 extra=("suspect_rank", "suspect_node"))
         self._labels = labels
         self.world_size.set(env.world_size)
         self.restarts.inc(env.restart_count)
@@ -244,6 +248,11 @@ class WorkerMetrics:
         self.recovery = later("recovery_seconds", "Rank 0, after a restart: seconds from the "
                               "failed incarnation's last logged event to the end of the first "
                               "step after the restart")
+        self.compute_seconds = later("step_compute_seconds", "Seconds of the newest step's "
+                                     "local part on this rank (data and forward passes: no "
+                                     "collective), what --straggler-policy compares")
+        self.straggler_score = later("straggler_score", "This rank's step compute over the "
+                                     "other ranks' median at the newest step (1: as fast)")
         self.lost_steps = later("lost_steps", "Rank 0, after a restart: steps done before the "
                                 "failure that are redone (newest step logged minus the step "
                                 "resumed from)")
@@ -257,7 +266,7 @@ class WorkerMetrics:
             Event.CHECKPOINT_SAVED: self._on_saved, Event.CHECKPOINT_LOADED: self._on_loaded,
             Event.CHECKPOINT_SKIPPED: self._on_skipped, Event.RECOVERY: self._on_recovery,
             Event.CHECKPOINT_FAILED: lambda record: self.failed.inc(),
-            Event.REPLICAS_DIVERGED: self._on_diverged,
+            Event.REPLICAS_DIVERGED: self._on_diverged, Event.STRAGGLER: self._on_straggler,
         }
 
     def moved(self, env: ObservedProcess) -> None:
@@ -305,7 +314,9 @@ class WorkerMetrics:
         self.step.set(step)
         self.step_time.set(now)
         for gauge, key in ((self.loss, "loss"), (self.learning_rate, "lr"),
-                           (self.epoch, "epoch"), (self.world_size, "world_size")):
+                           (self.epoch, "epoch"), (self.world_size, "world_size"),
+                           (self.compute_seconds, "compute_seconds"),
+                           (self.straggler_score, "straggler_score")):
             if record.get(key) is not None:
                 gauge.set(record[key])
         if record.get("seconds") is not None:
@@ -352,6 +363,11 @@ class WorkerMetrics:
                               strict=False):
             self.divergences.labels(**self._labels, suspect_rank=str(rank),
                                     suspect_node=str(node)).inc()
+
+    def _on_straggler(self, record: Mapping[str, Any]) -> None:
+        if self.rank == 0:  # every rank names the same one: counted once
+            self.stragglers.labels(**self._labels, suspect_rank=str(record["rank"]),
+                                   suspect_node=str(record["node"])).inc()
 
     def _on_skipped(self, record: Mapping[str, Any]) -> None:
         self.skipped.inc()

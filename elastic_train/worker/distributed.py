@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -236,6 +237,29 @@ def gather_rows(group: Group, row: torch.Tensor) -> list[torch.Tensor]:
     rows = [torch.empty_like(row) for _ in range(group.world_size)]
     aborts.wait(dist.all_gather(rows, row, async_op=True), row, *rows)
     return rows
+
+
+class HostNames:
+    """Every rank's host name, gathered once per group (a collective: every rank asks at the
+    same point), for the lines and events that name a rank's node. A new group (the world
+    re-formed) gathers again on every rank: the group is known by identity, never by an
+    ``id()`` that a new object may reuse (one rank gathering alone would wait forever)."""
+
+    BYTES = 64
+    """A host name as gathered (longer names are cut)."""
+
+    def __init__(self) -> None:
+        self._group: weakref.ref[Group] | None = None
+        self._names: list[str] = []
+
+    def of(self, group: Group) -> list[str]:
+        if self._group is None or self._group() is not group:
+            name = socket.gethostname().encode()[:self.BYTES].ljust(self.BYTES, b"\0")
+            row = torch.tensor(list(name), dtype=torch.uint8, device=group.device)
+            self._names = [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace")
+                           for r in gather_rows(group, row)]
+            self._group = weakref.ref(group)
+        return self._names
 
 
 def all_true(group: Group, flag: bool) -> bool:

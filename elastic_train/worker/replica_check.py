@@ -17,11 +17,8 @@ Sharded models (fsdp, hsdp) hold no full replicas: not checked yet (said once).
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from elastic_train.checkpoint import sharded
 from elastic_train.checkpoint.snapshot import Stateful
@@ -30,7 +27,7 @@ from elastic_train.events.log import EventLog
 from elastic_train.events.schema import ReplicasDiverged
 from elastic_train.integrity.fingerprint import state_fingerprint
 from elastic_train.integrity.verdict import compare
-from elastic_train.worker.distributed import Group, gather_rows
+from elastic_train.worker.distributed import Group, HostNames, gather_rows
 
 __all__ = ["ReplicaCheck"]
 
@@ -39,8 +36,6 @@ log = logging.getLogger(__name__)
 CERTIFIED = "replicas_verified"
 """The manifest field of a checkpoint whose replicas were compared equal at its step
 (``elastic-train checkpoints list``: CERTIFIED)."""
-HOST_BYTES = 64
-"""A rank's host name as the check gathers it (longer names are cut)."""
 
 
 class ReplicaCheck:
@@ -54,7 +49,7 @@ class ReplicaCheck:
             certify[CERTIFIED] = every > 0 and not sharded
         self.checked = 0
         """Checks this worker took part in (each one all-gather)."""
-        self._hosts: tuple[int, int, list[str]] | None = None
+        self._hosts = HostNames()
         self._said_sharded = False
 
     def due(self, step: int, saving: bool = False) -> bool:
@@ -80,21 +75,10 @@ class ReplicaCheck:
         verdict = compare({rank: row.tolist() for rank, row in enumerate(rows)})
         if verdict.agree:
             return
-        hosts = self._host_names(group)
+        hosts = self._hosts.of(group)
         self.events.emit(ReplicasDiverged(step=step, named=list(verdict.named),
                                           suspects=list(verdict.suspects),
                                           nodes=[hosts[r] for r in verdict.suspects],
                                           replicas=group.world_size))
         raise ReplicaDivergenceError(step, verdict.describe(),
                                      sorted({hosts[r] for r in verdict.suspects}))
-
-    def _host_names(self, group: Group) -> list[str]:
-        """Every rank's host name (gathered once per group)."""
-        key = (id(group), group.world_size)
-        if self._hosts is None or self._hosts[:2] != key:
-            name = socket.gethostname().encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
-            row = torch.tensor(list(name), dtype=torch.uint8, device=group.device)
-            names = [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace")
-                     for r in gather_rows(group, row)]
-            self._hosts = (*key, names)
-        return self._hosts[2]

@@ -57,19 +57,14 @@ from elastic_train.worker.preemption import StopRequest, node_stopped
 from elastic_train.worker.replica_check import ReplicaCheck
 from elastic_train.worker.save_failure import SaveFailureStop
 from elastic_train.worker.sharded_recovery import ShardedLive
+from elastic_train.worker.straggler_check import StragglerCheck
 from elastic_train.worker.vote import (
     GO_ON,
     LEAVE_GRACE,
-    TALLY_AGENT_STOPS,
-    TALLY_LOSS,
     TALLY_NODES,
-    TALLY_REFORMS,
-    TALLY_RIPE,
-    TALLY_SAVE_DUE,
-    TALLY_SAVE_FAILED,
-    TALLY_STOPS,
     Vote,
     decide,
+    make_tally,
 )
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
@@ -141,6 +136,7 @@ class WorkerRuntime:
         self.live: LiveWorld | None = None
         """Set when this worker's world re-forms in place after a lost worker."""
         self.replicas: ReplicaCheck | None = None  # --verify-every (worker/replica_check.py)
+        self.stragglers = StragglerCheck("off", 1.5, 1, self.events)  # the loop's options
         self._previous: PreviousIncarnation | None = None
         self._installed = False
         self._joined_at: float | None = None
@@ -456,7 +452,8 @@ class WorkerRuntime:
         return self.preemption is not None or self.save_failure.enabled \
             or self.checkpoints.policy.every_seconds is not None
 
-    def vote(self, loss_sum: torch.Tensor | float | None = None) -> Vote:
+    def vote(self, loss_sum: torch.Tensor | float | None = None, step: int | None = None
+             ) -> Vote:
         """Every rank, after each optimizer step: what all ranks agree on (one all-reduce).
 
         ``loss_sum`` (this rank's, a tensor on the group's device avoids a sync) is summed
@@ -480,24 +477,18 @@ class WorkerRuntime:
                         save_due=self.checkpoints.interval_passed()
                         if self.group.world_size == 1 else None)
         else:
-            tally = torch.zeros(TALLY_NODES + self.env.group_world_size, dtype=torch.float64,
-                                device=self.group.device)
-            if loss_sum is not None:
-                tally[TALLY_LOSS] = loss_sum
-            if preempted:
-                tally[TALLY_STOPS] = tally[TALLY_NODES + self.env.group_rank] = 1.0
-                if pre is not None and pre.seconds_since() >= LEAVE_GRACE:
-                    tally[TALLY_RIPE] = 1.0
-            if by_agent:
-                tally[TALLY_AGENT_STOPS] = 1.0
-            if save_failed:
-                tally[TALLY_SAVE_FAILED] = 1.0
-            if reform:
-                tally[TALLY_REFORMS] = 1.0
-            if self.group.rank == 0 and self.checkpoints.interval_passed():
-                tally[TALLY_SAVE_DUE] = 1.0
-            summed = distributed.sum_over_ranks(self.group, tally)
-            vote = decide(summed, self.env.group_rank, self.env.group_world_size,
+            nodes, checks = self.env.group_world_size, self.stragglers
+            tally = make_tally(nodes, checks.slots(self.group.world_size), self.group.device,
+                               loss_sum=loss_sum, preempted=preempted, by_agent=by_agent,
+                               ripe=preempted and pre is not None
+                               and pre.seconds_since() >= LEAVE_GRACE,
+                               save_failed=save_failed, reform=reform, node=self.env.group_rank,
+                               save_due=self.group.rank == 0
+                               and self.checkpoints.interval_passed())
+            checks.put(tally, TALLY_NODES + nodes, self.group.rank)
+            summed = torch.as_tensor(distributed.sum_over_ranks(self.group, tally)).tolist()
+            checks.read(summed, TALLY_NODES + nodes, self.group, step or 0)
+            vote = decide(summed[:TALLY_NODES + nodes], self.env.group_rank, nodes,
                           live=self.live is not None)
         if vote.stop:
             self.stopped_nodes = vote.stopped_nodes

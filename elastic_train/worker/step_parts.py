@@ -8,7 +8,7 @@ import math
 
 import torch
 
-__all__ = ["lr_factor", "micro_batches"]
+__all__ = ["lr_factor", "micro_batches", "rounded"]
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -26,3 +26,8 @@ def micro_batches(indices: torch.Tensor, limit: int) -> list[torch.Tensor]:
     if limit <= 0 or len(indices) <= limit:
         return [indices]
     return list(torch.split(indices, limit))
+
+
+def rounded(value: float | None, digits: int = 6) -> float | None:
+    """``value`` rounded for an event (None stays None)."""
+    return None if value is None else round(value, digits)

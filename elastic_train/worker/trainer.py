@@ -11,7 +11,6 @@ batch and the learning rate become; every step event records both.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sys
 import time
@@ -25,11 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.checkpoint.manager import Restored
 from elastic_train.config import JobConfig
 from elastic_train.errors import ConfigError, ElasticTrainError
-from elastic_train.events.line_file import LineFile
 from elastic_train.events.log import EventObserver, read_events
 from elastic_train.events.schema import BatchPlan as BatchPlanEvent
 from elastic_train.events.schema import Startup, Step
-from elastic_train.integrity.drill import BitflipDrill
 from elastic_train.observe.progress import Progress
 from elastic_train.observe.summary import RunSummary, summarize
 from elastic_train.rundir import RunDir
@@ -37,14 +34,17 @@ from elastic_train.tasks.base import Task, collate
 from elastic_train.worker import data_parallel, sharded_recovery, sharding, torch_seams
 from elastic_train.worker.batching import WorldBatch, plan_batch
 from elastic_train.worker.distributed import Group
+from elastic_train.worker.drills import Drills
 from elastic_train.worker.env import WorkerEnv
 from elastic_train.worker.live_world import LiveWorld
 from elastic_train.worker.replica_check import ReplicaCheck
 from elastic_train.worker.runtime import GO_ON, Rejoined, Vote, WorkerRuntime
+from elastic_train.worker.sample_records import SampleRecords
 from elastic_train.worker.sampler import ResumableSampler
 from elastic_train.worker.seeding import derive_seed
 from elastic_train.worker.sharded_recovery import ShardedLive
-from elastic_train.worker.step_parts import lr_factor, micro_batches
+from elastic_train.worker.step_parts import lr_factor, micro_batches, rounded
+from elastic_train.worker.straggler_check import StragglerCheck
 from elastic_train.worker.timeline import process_start_time
 
 log = logging.getLogger(__name__)
@@ -134,14 +134,16 @@ class Trainer:
         self.events = self.runtime.events
         self.runtime.replicas = ReplicaCheck(cfg.verify_every, self.events, self.sharded,
                                              certify=self.runtime.checkpoints.meta)
-        self._drill = BitflipDrill.parse(cfg.inject_bitflip)  # --inject-bitflip
+        self.runtime.stragglers = StragglerCheck(cfg.straggler_policy, cfg.straggler_factor,
+                                                 cfg.straggler_window, self.events)
+        self._drills = Drills(cfg.inject_bitflip, cfg.inject_slowdown)
         self.state = TrainerState()
         self._in_flight: dict[str, Any] | None = None
         """The sampler's state before the step in flight, until every rank agreed on it."""
         # Replaced after the restore by the job's policy (see _plan_batch).
         self.plan = WorldBatch("constant", config.train.batch_size, 1.0, group.world_size,
                               group.world_size)
-        self._samples_file: LineFile | None = None
+        self._samples = SampleRecords(self.run_dir.samples_of, self.runtime.publisher.track)
         self._marks = {"process_start": process_start_time(), **(marks or {})}
 
     # ---- building ------------------------------------------------------------------------
@@ -204,6 +206,8 @@ class Trainer:
         cfg = self.config.train
         rank, world = self.group.rank, self.group.world_size
         self.watchdog.phase("data")
+        checks = self.runtime.stragglers  # times the step's local part (no backward)
+        checks.start()
         global_batch = self.plan.global_batch
         self._in_flight = self.sampler.state_dict()
         batch = self.sampler.next_batch(global_batch)
@@ -223,18 +227,24 @@ class Trainer:
             self.watchdog.phase("forward-backward")
             with context:
                 loss = self.task.loss(ddp, inputs)
+                checks.pause()
                 # DDP averages gradients over ranks; weighting by share * world / global
                 # batch makes the result the mean over the global batch for any split.
                 (loss * (len(chunk) * world / global_batch)).backward()
+                checks.resume()
             loss_sum += loss.detach().double() * len(chunk)
         if cfg.record_samples:  # before the vote: a step that commits was recorded by all
-            self._record_samples(self.state.step + 1, batch.epoch, batch.offset, mine)
+            self._samples.write(
+                step=self.state.step + 1, epoch=batch.epoch, offset=batch.offset, indices=mine,
+                world_size=world, restart=self.env.restart_count, rank=rank,
+                generation=self.runtime.live.generation if self.runtime.live else 0)
+        checks.pause()
         if world > 1:
             self.watchdog.phase("all-reduce of the loss")
         # The step commits when every rank has voted, before any state changes: a worker
         # lost before that leaves every survivor's state at the previous step (live
         # recovery redoes this one); after it, a survivor holds the finished step.
-        vote = self.runtime.vote(loss_sum)
+        vote = self.runtime.vote(loss_sum, step=self.state.step + 1)
         self._in_flight = None
         self.watchdog.phase("optimizer")
         if cfg.grad_clip > 0:
@@ -243,28 +253,11 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
-        if self._drill is not None and self._drill.due(rank, self.state.step, self.env.first):
-            flipped = self._drill.apply(self.model, self.optimizer)
-            print(f"drill: rank {rank} flipped {flipped} after step {self.state.step} "
-                  "(--inject-bitflip)", file=sys.stderr, flush=True)
+        self._drills.after_step(rank, self.state.step, self.env.first, self.model,
+                                self.optimizer)
         self.state.samples_seen += global_batch
         self.watchdog.progress(self.state.step)
         return vote.loss_sum / global_batch, vote
-
-    def _record_samples(self, step: int, epoch: int, offset: int, indices: torch.Tensor
-                        ) -> None:
-        """One line per rank and step; a step redone is recorded again (the last line of a
-        (step, rank) is the one that counts)."""
-        if self._samples_file is None:
-            path = self.run_dir.samples_of(self.group.rank)
-            self._samples_file = LineFile(path, "the sample records")
-            self.runtime.publisher.track(path)
-        self._samples_file.write(json.dumps({
-            "time": round(time.time(), 6), "step": step, "epoch": epoch,
-            "offset": offset,
-            "world_size": self.group.world_size, "restart": self.env.restart_count,
-            "generation": self.runtime.live.generation if self.runtime.live else 0,
-            "rank": self.group.rank, "indices": indices.tolist()}))
 
     # ---- the run -------------------------------------------------------------------------
     def run(self) -> RunSummary | None:
@@ -340,6 +333,8 @@ class Trainer:
                                   samples=self.state.samples_seen,
                                   global_batch=self.plan.global_batch,
                                   seconds=round(step_seconds, 6),
+                                  compute_seconds=rounded(self.runtime.stragglers.measured),
+                                  straggler_score=rounded(self.runtime.stragglers.score),
                                   restart=self.env.restart_count))
             if vote.ends_loop:
                 break
@@ -412,9 +407,6 @@ class Trainer:
         worker's group and place follow."""
         rejoined = self.runtime.recover(self._stateful(), first,
                                         self.state.step if has_state else None, sharded)
-        if self.group.rank != rejoined.group.rank and self._samples_file is not None:
-            self._samples_file.close()  # each rank's samples go to its own file
-            self._samples_file = None
         self.group, self.env = rejoined.group, self.runtime.env
         if self.group.rank == 0 and self.progress is None:  # rank 0 was lost: show on here
             cfg = self.config.train
@@ -465,8 +457,8 @@ class Trainer:
                         "afresh)")
 
     def _finish(self) -> RunSummary | None:
-        if self._samples_file is not None:
-            self._samples_file.close()
+        self._samples.close()
+        self._drills.close()
         self.events.close()
         if self.group.rank != 0 or self.progress is None or self.runtime.left:
             return None  # a node that left alone: the others go on and sum up the run

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GO_ON", "LEAVE_GRACE", "Vote", "decide"]
+__all__ = ["GO_ON", "LEAVE_GRACE", "Vote", "decide", "make_tally"]
 
 LEAVE_GRACE = 1.0
 """Seconds a SIGTERM on some nodes waits for the others before those nodes leave alone: a
@@ -64,6 +64,26 @@ GO_ON = Vote(loss_sum=0.0, stop=False, save_failed=False)
 # LEAVE_GRACE ago or more, then one slot per node (its ranks that were preempted).
 (TALLY_LOSS, TALLY_STOPS, TALLY_SAVE_FAILED, TALLY_REFORMS, TALLY_SAVE_DUE,
  TALLY_AGENT_STOPS, TALLY_RIPE, TALLY_NODES) = range(8)
+
+
+def make_tally(nodes: int, extra: int, device: torch.device, *,
+               loss_sum: torch.Tensor | float | None, preempted: bool, ripe: bool,
+               by_agent: bool, save_failed: bool, reform: bool, node: int, save_due: bool
+               ) -> torch.Tensor:
+    """This rank's tally (a world of ``nodes`` nodes; ``node``: this rank's), slot by slot
+    as above, and ``extra`` zero slots after the nodes' (worker/straggler_check.py)."""
+    tally = torch.zeros(TALLY_NODES + nodes + extra, dtype=torch.float64, device=device)
+    if loss_sum is not None:
+        tally[TALLY_LOSS] = loss_sum
+    if preempted:
+        tally[TALLY_STOPS] = tally[TALLY_NODES + node] = 1.0
+        if ripe:
+            tally[TALLY_RIPE] = 1.0
+    for slot, flag in ((TALLY_AGENT_STOPS, by_agent), (TALLY_SAVE_FAILED, save_failed),
+                       (TALLY_REFORMS, reform), (TALLY_SAVE_DUE, save_due)):
+        if flag:
+            tally[slot] = 1.0
+    return tally
 
 
 def decide(summed: torch.Tensor | list[float], group_rank: int, nodes_in_world: int, *, live: bool

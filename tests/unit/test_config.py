@@ -76,6 +76,10 @@ VALID: dict[str, tuple[str, Any]] = {
     "--replica-group-size": ("4", 4),
     "--verify-every": ("10", 10),
     "--inject-bitflip": ("1:12:optimizer:3:7", "1:12:optimizer:3:7"),
+    "--straggler-policy": ("off", "off"),
+    "--straggler-factor": ("2.5", 2.5),
+    "--straggler-window": ("7", 7),
+    "--inject-slowdown": ("2:1.5:30", "2:1.5:30"),
     "--checkpoint-every": ("25", 25),
     "--checkpoint-interval": ("90.5", 90.5),
     "--keep-checkpoints": ("7", 7),
@@ -367,6 +371,14 @@ def test_wrong_type_of_run_dir_in_the_file(tmp_path: Path, text: str) -> None:
     (["--replica-group-size", "-1"],
      "--replica-group-size -1 is invalid: it must be >= 0 (0: one group per node)"),
     (["--verify-every", "-1"], "--verify-every -1 is invalid: it must be >= 0 (0 turns it off)"),
+    (["--straggler-policy", "evict"], "--straggler-policy evict is invalid: it must be 'off' "
+     "or 'warn' (eviction is not built yet)"),
+    (["--straggler-factor", "1"], "--straggler-factor 1.0 is invalid: it must be above 1"),
+    (["--straggler-window", "0"], "--straggler-window 0 is invalid: it must be >= 1 step"),
+    (["--inject-slowdown", "1:1"], "--inject-slowdown '1:1' is invalid: it must be "
+     "RANK:FACTOR[:STEP], FACTOR above 1"),
+    (["--inject-slowdown", "x"], "--inject-slowdown 'x' is invalid: it must be "
+     "RANK:FACTOR[:STEP], FACTOR above 1"),
     (["--inject-bitflip", "1:x"], "--inject-bitflip '1:x' is invalid: it must be "
      "RANK:STEP[:weight|optimizer[:INDEX[:BIT]]]"),
     (["--inject-bitflip", "1:5:gradient"], "--inject-bitflip '1:5:gradient' is invalid: it "

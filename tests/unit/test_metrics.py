@@ -390,3 +390,27 @@ def test_a_divergence_of_the_replicas_counts_each_suspect_by_rank_and_node() -> 
     name = "elastic_train_replica_divergences_total"
     assert value(registry, name, rank="0", suspect_rank="1", suspect_node="host-b") == 2
     assert value(registry, name, rank="0", suspect_rank="0", suspect_node="host-a") == 1
+
+
+def test_a_straggler_is_counted_once_by_rank_and_node_and_each_rank_shows_its_score() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, WorkerEnv(run_id="r", world_size=3), batch_size=6,
+                            node="n")
+    feed(metrics, {"event": "step", "time": 1.0, "step": 1, "loss": 2.0, "world_size": 3,
+                   "restart": 0, "compute_seconds": 0.031, "straggler_score": 2.4},
+         {"event": "straggler", "time": 2.0, "step": 12, "rank": 1, "node": "host-b",
+          "score": 2.4, "compute_seconds": 0.031, "others_seconds": 0.013, "factor": 1.5,
+          "window": 10, "policy": "warn"})
+    assert value(registry, "elastic_train_stragglers_total", rank="0", suspect_rank="1",
+                 suspect_node="host-b") == 1
+    assert value(registry, "elastic_train_straggler_score", rank="0") == 2.4
+    assert value(registry, "elastic_train_step_compute_seconds", rank="0") == 0.031
+    other = CollectorRegistry()  # rank 1 sees the same event: not counted twice in a sum
+    feed(WorkerMetrics(other, WorkerEnv(run_id="r", rank=1, world_size=3), batch_size=6,
+                       node="n"),
+         {"event": "straggler", "time": 2.0, "step": 12, "rank": 1, "node": "host-b",
+          "score": 2.4, "compute_seconds": 0.031, "others_seconds": 0.013, "factor": 1.5,
+          "window": 10, "policy": "warn"})
+    assert value(other, "elastic_train_stragglers_total", rank="1", suspect_rank="1",
+                 suspect_node="host-b") is None
+    assert value(other, "elastic_train_steps_total", rank="1") == 0  # (the labels match)
