@@ -382,7 +382,7 @@ class Host:
     def _iptables(self, ns: str, rule: list[str]) -> None:
         if not tools.system_tool_available("iptables"):
             raise NetbedError("iptables is not installed: run scripts/install-test-deps.sh")
-        _run(["ip", "netns", "exec", ns, "iptables", "-A", *rule])
+        _run(["ip", "netns", "exec", ns, "iptables", "-w", "10", "-A", *rule])
         self._rules.append((ns, rule))
 
     def drop_incoming(self, peer: Host | None = None) -> float:
@@ -404,7 +404,7 @@ class Host:
         """Remove every loss rule this host's ``drop_*`` calls added."""
         while self._rules:
             ns, rule = self._rules.pop()
-            _run(["ip", "netns", "exec", ns, "iptables", "-D", *rule], check=False)
+            _run(["ip", "netns", "exec", ns, "iptables", "-w", "10", "-D", *rule], check=False)
         return time.time()
 
     def slow_link(self, rate: str | None = None, delay_ms: float | None = None) -> None:

@@ -458,13 +458,16 @@ def test_an_agent_ending_with_an_error_leaves_the_rendezvous_open_for_the_others
     from elastic_train.rendezvous.forget import leave_open
 
     run_id = uuid.uuid4().hex
-    members = [handler(kv, run_id, 1, 3, i) for i in range(2)]
+    # min 2: with min 1, a member whose round closed alone after its 0.5 s last call
+    # (the other thread slow to start on a loaded machine) left the other waiting for a
+    # next round that never came (60 s, under pytest-xdist on 2 cores)
+    members = [handler(kv, run_id, 2, 3, i) for i in range(2)]
     run_threads(lambda i: members[i].next_rendezvous(), 2)
     leave_open(members[0])
     assert members[0].shutdown()
     assert not members[1].is_closed()
     wait_until(lambda: members[1].num_nodes_waiting() > 0, 10, "the node that left seen")
-    joined = run_threads(lambda i: [members[1], handler(kv, run_id, 1, 3, 7)][i]
+    joined = run_threads(lambda i: [members[1], handler(kv, run_id, 2, 3, 7)][i]
                          .next_rendezvous().world_size, 2)
     assert joined == [2, 2]
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 SAMPLES = 600
 JOB = ["--preset", "tiny", "--task-opt", f"corpus_max_bytes={SAMPLES * 64 + 1}",
-       "--steps", "90", "--batch-size", "48", "--checkpoint-every", "30", "--log-every", "10"]
+       "--steps", "120", "--batch-size", "48", "--checkpoint-every", "30", "--log-every", "10"]
 WINDOW = 50  # the default: no verdict before every rank has a whole window
 TIMEOUT = 240
 
@@ -29,14 +29,16 @@ def test_a_rank_slowed_3x_is_named_within_its_window_and_the_job_trains_on(tmp_p
     named = [e for e in events if e["event"] == "straggler"]
     assert [(e["rank"], e["node"], e["policy"]) for e in named] == \
         [(1, socket.gethostname(), "warn")], named
-    # slowed after step 55 (the drill's line says when): named within half the window
+    # slowed after step 55 (the drill's line says when): named within the window (19
+    # steps alone on the machine; 32 beside another test, whose load makes every rank's
+    # step slower and the ratio smaller)
     assert "drill: rank 1 runs at 1/3 of its speed from step 55 on" in job.output()
-    assert 55 < named[0]["step"] <= 55 + WINDOW // 2, named
+    assert 55 < named[0]["step"] <= 55 + WINDOW, named
     assert named[0]["score"] > 1.5 and named[0]["compute_seconds"] > named[0]["others_seconds"]
     assert (f"straggler: rank 1 (host {socket.gethostname()}) computes "
             in job.output()), job.output()[-3000:]
     steps = [e for e in events if e["event"] == "step"]
-    assert steps[-1]["step"] == 90
+    assert steps[-1]["step"] == 120
     # rank 0's records: its own local part, and its score against the others
     assert all(e["compute_seconds"] > 0 for e in steps)
     assert all(e["straggler_score"] < 1.5 for e in steps if e["step"] > WINDOW)
