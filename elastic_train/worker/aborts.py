@@ -257,6 +257,12 @@ def is_collective_failure(exc: BaseException | None) -> bool:
         exc = exc.__cause__ or exc.__context__
     return False
 
+def first_line(exc: BaseException) -> str:
+    """``Type: the first line of its message`` (for one line about a failure)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
 def abandon_group() -> None:
     """Drop this worker's group after a lost peer, without waiting for its stuck work.
 

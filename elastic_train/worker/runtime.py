@@ -58,14 +58,7 @@ from elastic_train.worker.replica_check import ReplicaCheck
 from elastic_train.worker.save_failure import SaveFailureStop
 from elastic_train.worker.sharded_recovery import ShardedLive
 from elastic_train.worker.straggler_check import StragglerCheck
-from elastic_train.worker.vote import (
-    GO_ON,
-    LEAVE_GRACE,
-    TALLY_NODES,
-    Vote,
-    decide,
-    make_tally,
-)
+from elastic_train.worker.vote import GO_ON, LEAVE_GRACE, TALLY_NODES, Vote, decide, make_tally
 from elastic_train.worker.watchdog import NoWatchdog, StepWatchdog
 
 OWN_FAILURE_GRACE = 2.0
@@ -235,16 +228,18 @@ class WorkerRuntime:
 
     def failed_step(self, exc: BaseException) -> bool:
         """After a step failed with ``exc``: whether the world re-forms in place (a new
-        generation was announced; go to ``recover``), else the error is the worker's own.
-
-        A failed collective may mean a lost peer, which only the agents can find out: the
-        agent is told at once and the announcement waited for (``ANNOUNCE_TIMEOUT``). Any
-        other error waits ``OWN_FAILURE_GRACE`` for a re-formation announced meanwhile."""
+        generation announced: go to ``recover``), else the error is the worker's own. A
+        failed collective may mean a lost peer: the agent is told at once and the
+        announcement waited for (``ANNOUNCE_TIMEOUT``); any other error waits
+        ``OWN_FAILURE_GRACE`` for a re-formation announced meanwhile, and says so."""
         if self.live is None:
             return False
         collective = aborts.is_collective_failure(exc)
         if collective:
             self.live.report_failed_collective()
+        else:  # said: a peer's loss read as the loop's own error costs the grace
+            print(f"rank {self.group.rank}: the step failed ({aborts.first_line(exc)}), not a "
+                  f"collective: waits {OWN_FAILURE_GRACE:g} s for a re-formation", file=sys.stderr)
         return self.live.announced(None if collective else OWN_FAILURE_GRACE) is not None
 
     def recover(self, objects: Mapping[str, Stateful], first: Callable[[], Rejoined],

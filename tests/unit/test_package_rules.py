@@ -240,7 +240,7 @@ def test_an_import_up_the_layers_is_found() -> None:
 
 MAX_LINES = 500
 STILL_LONGER = {  # each may only shrink, until it is split (issue 40)
-    "checkpoint/manager.py": 550, "worker/runtime.py": 616, "worker/session.py": 603,
+    "checkpoint/manager.py": 550, "worker/runtime.py": 611, "worker/session.py": 603,
     "checkpoint/sharded.py": 615, "agent/live_agent.py": 593, "config.py": 516,
     "agent/launch.py": 551, "live/coordination.py": 531,
 }

@@ -373,3 +373,31 @@ def test_a_node_that_leaves_alone_writes_nothing_and_exits_143(tmp_path: Path) -
                        r"it left the job at step 4, and the other nodes go on") as left:
         runtime.raise_if_node_stopped()  # never 0: an unsignalled agent reads 0 as done
     assert left.value.exit_code == 143
+
+
+def test_a_failed_step_that_is_no_collective_says_so_and_one_that_is_tells_the_agent(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A peer's loss read as the loop's own error waits the grace for a re-formation (the
+    soak of 4eb25d8: a host kill that cost the failure detector's 1.5 s, where its workers'
+    step had failed 54 ms after the kill): said in one line, so that the next soak shows
+    which error it was."""
+    from types import SimpleNamespace
+
+    from elastic_train.worker import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "OWN_FAILURE_GRACE", 0.01)
+    runtime = make_runtime(RunDir(tmp_path / "run").prepare())
+    told: list[bool] = []
+    try:
+        runtime.live = SimpleNamespace(  # type: ignore[assignment]
+            report_failed_collective=lambda: told.append(True),
+            announced=lambda timeout=None: None, close=lambda: None)
+        assert not runtime.failed_step(BrokenPipeError(32, "Broken pipe"))
+        assert told == []
+        assert ("rank 0: the step failed (BrokenPipeError: [Errno 32] Broken pipe), not a "
+                "collective: waits 0.01 s for a re-formation") in capsys.readouterr().err
+        assert not runtime.failed_step(RuntimeError("Connection closed by peer [127.0.0.1]"))
+        assert told == [True] and capsys.readouterr().err == ""
+    finally:
+        runtime.close()
