@@ -115,12 +115,12 @@ class HolderDirectory:
                     job.missing.remove(rank)
                     self._apply(job)
         except Exception as exc:  # a store that cannot take it or list it: one copy
-            job.done = True
-            if not self._said:
+            if not self._said:  # said before it is settled: who waits for that reads it
                 log.warning("memory tier: the rendezvous store cannot list the agents' "
                             "holders (%s: %s): this node's holder keeps its one copy",
                             type(exc).__name__, exc)
                 self._said = True
+            job.done = True
             return
         if not job.missing:
             job.done = True
