@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from elastic_train.config import parse_job_args
+from elastic_train.config_options import parse_job_args
 from elastic_train.observe.metrics import WorkerMetrics
 from elastic_train.observe.metrics_server import MetricsServer
 from elastic_train.rundir import prepare_run_dir

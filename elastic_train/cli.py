@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from elastic_train import __version__
-from elastic_train.config import run_location, storage_from_options
+from elastic_train.config import run_location
+from elastic_train.config_options import storage_from_options
 from elastic_train.errors import ElasticTrainError
 from elastic_train.process_exit import exit_command
 from elastic_train.rundir import RunDir

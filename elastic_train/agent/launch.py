@@ -40,12 +40,8 @@ from elastic_train.agent.launch_options import (
 )
 from elastic_train.agent.snapshot_holder import DEFAULT_MAX_BYTES, parse_size
 from elastic_train.agent.worker_start import worker_processes, workers_released_on_close
-from elastic_train.config import (
-    JobConfig,
-    RecoveryMode,
-    mesh_shape,
-    parse_job_args,
-)
+from elastic_train.config import JobConfig, RecoveryMode, mesh_shape
+from elastic_train.config_options import parse_job_args
 from elastic_train.errors import ConfigError, ElasticTrainError, NodeLeftError
 from elastic_train.rendezvous.config import (
     parse_rdzv_conf,
@@ -391,7 +387,7 @@ def main(argv: Sequence[str]) -> int:
         return _run_script(parser, *scripted)
     ns, job_args = parser.parse_known_args(list(argv))
     if ns.help or ns.help_job:
-        from elastic_train.config import job_parser
+        from elastic_train.config_options import job_parser
 
         (job_parser("elastic-train run") if ns.help_job else parser).print_help()
         return 0

@@ -19,8 +19,8 @@ from typing import BinaryIO
 import torch
 
 from elastic_train.checkpoint.api import CheckpointInfo, CheckpointStorage
-from elastic_train.checkpoint.sharded import SHARDED, full_tensors
-from elastic_train.checkpoint.storage import model_digest
+from elastic_train.checkpoint.sharded_restore import full_tensors
+from elastic_train.checkpoint.storage import SHARDED, model_digest
 from elastic_train.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
 #: Accepted suffixes of ``out``; the first is written with safetensors, the rest torch.save.

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from elastic_train.checkpoint import sharded
+from elastic_train.checkpoint import sharded, sharded_save
 from elastic_train.checkpoint.api import (
     CheckpointInfo,
     CheckpointStorage,
@@ -350,7 +350,7 @@ class CheckpointManager:
     def _save_sharded(self, step: int, objects: Mapping[str, Stateful], reason: str,
                       wait: bool) -> None:
         """Every rank copies its shards (training waits for that alone) and writes them in
-        the background; rank 0 commits once every rank's are in (checkpoint/sharded.py)."""
+        the background; rank 0 commits once every rank's are in (checkpoint/sharded_save.py)."""
         waited = self._finish_pending()
         if step == self.last_saved_step:
             return
@@ -363,14 +363,14 @@ class CheckpointManager:
         abandoned = self._shards_awaited = threading.Event()
 
         def persist() -> None:
-            encoded = sharded.encode(shot)
+            encoded = sharded_save.encode(shot)
             if self._offers is not None and self._memory_used(step):
                 self._offers.offer_parts(step, self.epoch, self.generation, encoded,
                                          shot.world_size)
                 self._memory_told()
             if self.group.rank != 0:
                 try:
-                    sharded.write_rank(staging, shot, encoded)
+                    sharded_save.write_rank(staging, shot, encoded)
                 except OSError as exc:  # rank 0 waits for this shard in vain and reports it
                     log.warning("rank %d could not write its shard of checkpoint %d: %s",
                                 self.group.rank, step, exc)
@@ -383,13 +383,13 @@ class CheckpointManager:
             began, cpu_began = time.monotonic(), time.thread_time()
             try:
                 with self._committing(step):
-                    sharded.write_rank(staging, shot, encoded)
-                    info = sharded.commit(self.store, step, staging, shot.world_size,
+                    sharded_save.write_rank(staging, shot, encoded)
+                    info = sharded_save.commit(self.store, step, staging, shot.world_size,
                                           {**self.meta, "writer_epoch": self.epoch},
                                           timeout=self.policy.shard_timeout_seconds,
                                           before_commit=lambda: self._check_fence(step),
                                           abandoned=abandoned)
-            except sharded.SaveAbandoned as exc:  # not a failure: that world is gone
+            except sharded_save.SaveAbandoned as exc:  # not a failure: that world is gone
                 log.warning("checkpoint %d was given up: %s; the newest committed one "
                             "stays", step, exc)
                 return

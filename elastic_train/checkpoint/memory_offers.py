@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from elastic_train.checkpoint import sharded
+from elastic_train.checkpoint import sharded_save
 from elastic_train.checkpoint.api import PayloadUpload, Serialized
 from elastic_train.errors import ElasticTrainError, MemoryTierError, StorageRefusedError
 
@@ -76,7 +76,7 @@ class MemoryOffers:
         return manifest
 
     def offer_parts(self, step: int, epoch: int | None, generation: int,
-                    encoded: sharded.EncodedShards, world_size: int) -> None:
+                    encoded: sharded_save.EncodedShards, world_size: int) -> None:
         """Give the memory tier this rank's part of a sharded save (before its durable
         write): every rank offers its own (rank 0 also the common state, as part
         ``world_size``), under the same writer epoch, step and generation, so that a

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from elastic_train.checkpoint import sharded
+from elastic_train.checkpoint import sharded, sharded_restore, storage
 from elastic_train.checkpoint.api import CheckpointInfo, CheckpointStorage
 from elastic_train.checkpoint.fence import WriterFence, superseded
 from elastic_train.checkpoint.memory_offers import MemoryTier
@@ -209,7 +209,7 @@ def load_chosen(decision: Mapping[str, Any], sources: Sources,
         if from_memory is not None and memory_parts:
             assert memory is not None
             fetch = memory.fetch
-            sharded.restore_from_parts(lambda part: fetch(memory_parts[part]),
+            sharded_restore.restore_from_parts(lambda part: fetch(memory_parts[part]),
                                        len(memory_parts), objects, map_location, path)
         elif from_memory is not None:
             assert memory is not None
@@ -239,8 +239,8 @@ def _load_durable(store: CheckpointStorage, info: CheckpointInfo,
     checkpoint was loaded into ``objects`` already (resharded to this job's mesh)."""
     if info.manifest is None:
         info = store.read_info(info.path, info.step)
-    sharded.check_kind(info.path, info.manifest, sharded.is_sharded(objects["model"]))
-    if sharded.is_sharded_checkpoint(info.manifest):
-        sharded.restore_into(info, objects, map_location)
+    storage.check_kind(info.path, info.manifest, sharded.is_sharded(objects["model"]))
+    if storage.is_sharded_checkpoint(info.manifest):
+        sharded_restore.restore_into(info, objects, map_location)
         return None
     return store.load(info, map_location=map_location)

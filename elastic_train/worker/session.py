@@ -70,8 +70,8 @@ from elastic_train.config import (
     RecoveryMode,
     StorageConfig,
     run_location,
-    storage_from_options,
 )
+from elastic_train.config_options import storage_from_options
 from elastic_train.errors import ConfigError, LiveRecoveryError
 from elastic_train.events.log import EventLog
 from elastic_train.events.schema import Step

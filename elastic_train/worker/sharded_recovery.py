@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from elastic_train.checkpoint import sharded
+from elastic_train.checkpoint import sharded, sharded_restore
 from elastic_train.checkpoint.manager import Restored, Stateful
 from elastic_train.checkpoint.torch_seams import dtensor_chunk
 from elastic_train.errors import LiveRecoveryError
@@ -179,7 +179,7 @@ def share(group: Group, objects: Mapping[str, Stateful], holding: Holding | None
     needed = torch.zeros(len(order), dtype=torch.float64, device=group.device)
     for i, (path, offset) in enumerate(order):
         if path not in regions:
-            regions[path] = dtensor_chunk(sharded.sharded_like(path, current))
+            regions[path] = dtensor_chunk(sharded_restore.sharded_like(path, current))
         shape, _ = chosen[(path, offset)]
         if _overlap(*regions[path], list(offset), shape) is None:
             continue
@@ -217,7 +217,7 @@ def share(group: Group, objects: Mapping[str, Stateful], holding: Holding | None
             assert received_common is not None
             common = received_common
     assert common is not None
-    filled = {path: sharded.as_dtensor(local, sharded.sharded_like(path, current))
+    filled = {path: sharded_restore.as_dtensor(local, sharded_restore.sharded_like(path, current))
               for path, local in locals_.items()}
-    sharded.load_state(objects, common, filled, f"the state rank {source} sent")
+    sharded_restore.load_state(objects, common, filled, f"the state rank {source} sent")
     return Shared(newest, sent, source, from_checkpoint=False)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_train.config import parse_job_args
+from elastic_train.config_options import parse_job_args
 from elastic_train.errors import ElasticTrainError, NodeStoppedError
 from elastic_train.live.spare import is_spare, take_place, wait_for_place
 from elastic_train.observe.metrics_server import WorkerEndpoint, serve_worker_metrics

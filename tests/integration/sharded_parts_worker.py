@@ -1,11 +1,11 @@
 """Under torchrun (gloo, CPU): a small model sharded by FSDP2 over the world, and a sharded
 save's parts as the agents' memory tier holds them (checkpoint/sharded.py).
 
-``save DIR``: two Adam steps, then each rank's part (``sharded.encode(...).payloads()``)
+``save DIR``: two Adam steps, then each rank's part (``sharded_save.encode(...).payloads()``)
 into ``DIR/part-R.bin`` (rank 0 also the common state, part W), and rank 0 the whole
 parameters and Adam moments into ``DIR/whole.pt``. ``load DIR``: the model built from
 another seed at this world size, filled from those parts by
-``sharded.restore_from_parts``; each rank writes
+``sharded_restore.restore_from_parts``; each rank writes
 ``DIR/load-W-R.json``: how many parts it read, and whether every whole tensor is the
 saved one, bit for bit.
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_train.checkpoint import sharded
+from elastic_train.checkpoint import sharded, sharded_restore, sharded_save
 from elastic_train.checkpoint.snapshot import SnapshotBuffers
 from elastic_train.process_exit import exit_command
 from elastic_train.worker.distributed import Group
@@ -87,7 +87,7 @@ def main(phase: str, folder: Path) -> None:
             optimizer.zero_grad()
             counter.step += 1
         shot = sharded.snapshot(objects, rank, world, SnapshotBuffers())
-        for part, data in sharded.encode(shot).payloads().items():
+        for part, data in sharded_save.encode(shot).payloads().items():
             (folder / f"part-{part}.bin").write_bytes(data)
         saved = whole(model, optimizer)
         if rank == 0:
@@ -98,7 +98,7 @@ def main(phase: str, folder: Path) -> None:
         optimizer.step()
         optimizer.zero_grad()
         parts = len(list(folder.glob("part-*.bin")))
-        read = sharded.restore_from_parts(
+        read = sharded_restore.restore_from_parts(
             lambda part: (folder / f"part-{part}.bin").read_bytes(), parts, objects, "cpu",
             "the parts")
         expected = torch.load(folder / "whole.pt", weights_only=True)

@@ -1,4 +1,4 @@
-"""A sharded checkpoint's commit (checkpoint/sharded.py) when a rank dies writing its shard:
+"""A sharded checkpoint's commit (checkpoint/sharded_save.py) when a rank dies writing its shard:
 real processes SIGKILLed at random moments of their write, on a real filesystem.
 
 After every kill: either rank 0 committed (every rank's shard was in; the checkpoint
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_train.checkpoint import sharded
+from elastic_train.checkpoint import sharded, sharded_restore, sharded_save
 from elastic_train.checkpoint.storage import CheckpointStore
 from elastic_train.errors import StorageError
 
@@ -46,8 +46,8 @@ def _shot(step: int, rank: int) -> sharded.ShardedSnapshot:
 def _save(store: CheckpointStore, step: int, timeout: float) -> None:
     staging = sharded.staging_dir(store.root, step, epoch=step)
     for rank in range(WORLD):
-        sharded.write_rank(staging, _shot(step, rank))
-    sharded.commit(store, step, staging, WORLD, {}, timeout=timeout)
+        sharded_save.write_rank(staging, _shot(step, rank))
+    sharded_save.commit(store, step, staging, WORLD, {}, timeout=timeout)
 
 
 def test_a_rank_killed_writing_its_shard_never_leaves_a_torn_checkpoint(tmp_path: Path
@@ -58,18 +58,18 @@ def test_a_rank_killed_writing_its_shard_never_leaves_a_torn_checkpoint(tmp_path
     outcomes = {"committed": 0, "given up": 0}
     for step in range(2, 14):
         staging = sharded.staging_dir(store.root, step, epoch=step)
-        sharded.write_rank(staging, _shot(step, 0))
+        sharded_save.write_rank(staging, _shot(step, 0))
         pid = os.fork()
         if pid == 0:  # rank 1: writes its shard, killed at a random moment
             try:
-                sharded.write_rank(staging, _shot(step, 1))
+                sharded_save.write_rank(staging, _shot(step, 1))
             finally:
                 os._exit(0)
         if rng.random() < 0.8:
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         try:
-            info = sharded.commit(store, step, staging, WORLD, {}, timeout=0.5)
+            info = sharded_save.commit(store, step, staging, WORLD, {}, timeout=0.5)
         except StorageError as exc:
             outcomes["given up"] += 1
             assert str(exc).startswith(f"ranks [1] wrote no shard of this checkpoint into "
@@ -78,7 +78,7 @@ def test_a_rank_killed_writing_its_shard_never_leaves_a_torn_checkpoint(tmp_path
         else:
             outcomes["committed"] += 1
             assert store.verify(info).valid
-            parts = sharded.full_tensors(info.path, info.manifest["sharded"]["tensors"],
+            parts = sharded_restore.full_tensors(info.path, info.manifest["sharded"]["tensors"],
                                          "model/")
             assert torch.equal(parts["w"], _whole(step))
         for leftover in store.remove_leftovers():

@@ -9,14 +9,13 @@ from typing import Any
 import pytest
 
 from elastic_train.config import (
-    OPTIONS,
     CheckpointConfig,
     DistributedConfig,
     JobConfig,
     MetricsConfig,
     TrainConfig,
-    parse_job_args,
 )
+from elastic_train.config_options import OPTIONS, parse_job_args
 from elastic_train.errors import ConfigError
 
 HELP = ": see 'elastic_train.train --help'"

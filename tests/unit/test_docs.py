@@ -113,7 +113,7 @@ def wrong_in(command: str, capsys: pytest.CaptureFixture[str]) -> list[str]:
     option after ``-m elastic_train.train``, a ``python X.py`` or ``bash scripts/X``."""
     from elastic_train import cli
     from elastic_train.agent.launch import launcher_parser
-    from elastic_train.config import job_parser
+    from elastic_train.config_options import job_parser
 
     launcher = set(launcher_parser()._option_string_actions)
     job = set(job_parser()._option_string_actions)

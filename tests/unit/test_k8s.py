@@ -26,7 +26,7 @@ import yaml
 
 from elastic_train.agent.launch import launcher_parser, options_torchrun_knows, torchrun_argv
 from elastic_train.agent.launch_options import resolve
-from elastic_train.config import parse_job_args
+from elastic_train.config_options import parse_job_args
 from elastic_train.errors import ConfigError
 from elastic_train.rendezvous.config import parse_rdzv_conf
 from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options

@@ -11,7 +11,8 @@ import pytest
 from botocore import exceptions as bce
 
 from elastic_train.checkpoint.object_store import BytesReader, ObjectLocation, ObjectStore
-from elastic_train.config import StorageConfig, parse_job_args, run_location, storage_from_options
+from elastic_train.config import StorageConfig, run_location
+from elastic_train.config_options import parse_job_args, storage_from_options
 from elastic_train.errors import ConfigError, StorageRefusedError, StorageUnavailableError
 from elastic_train.rundir import RunDir, _parts, _write_merged
 

@@ -169,7 +169,7 @@ def test_the_launcher_imports_no_torch_before_it_starts_the_workers_server() -> 
 LAYERS = (
     # the ground: no elastic_train import, or errors only
     "errors", "process_exit", "thread_priority", "torch_private", "network", "batch_shares",
-    "config_file", "config",
+    "config_file", "config", "config_options",
     # what a process is made of, torch-free where it says so
     "events", "live", "tasks", "torch_compat", "integrity",
     # services: the rendezvous (agent side), checkpoints, the run directory, what users see
@@ -241,7 +241,7 @@ def test_an_import_up_the_layers_is_found() -> None:
 MAX_LINES = 500
 STILL_LONGER = {  # each may only shrink, until it is split (issue 40)
     "checkpoint/manager.py": 550, "worker/runtime.py": 611, "worker/session.py": 603,
-    "checkpoint/sharded.py": 615, "agent/live_agent.py": 593, "config.py": 516,
+    "agent/live_agent.py": 593,
     "agent/launch.py": 551, "live/coordination.py": 531,
 }
 """Modules over ``MAX_LINES`` today, with their length now: none may grow, none may join."""
