@@ -241,6 +241,13 @@ def abort_collectives(reason: str, generation: int | None = None) -> None:
 
 _PEER_LOST = ("connection", "peer", "timed out", "nccl", "gloo")
 """Words of a backend's error about a lost peer (compared in lower case)."""
+_WRAPPED = ("CollectiveAborted:", "DistError:", "DistBackendError:", "DistNetworkError:",
+            "DistStoreError:")
+"""How a failure keeps its type in a torch future's error: a callback chained on a failed
+future (``Future.then``, as DDP's communication hook's) raises ``RuntimeError("Got the
+following error when running the callback: CollectiveAborted: ...")``, the original
+exception neither its cause nor its context (the soak of 211e9c6: 27 such steps read as
+the loop's own errors, each waiting its grace instead of telling the agent)."""
 
 
 def is_collective_failure(exc: BaseException | None) -> bool:
@@ -252,7 +259,8 @@ def is_collective_failure(exc: BaseException | None) -> bool:
         seen.add(id(exc))
         if isinstance(exc, (CollectiveAborted, dist.DistError)):
             return True
-        if isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _PEER_LOST):
+        if isinstance(exc, RuntimeError) and (any(w in str(exc).lower() for w in _PEER_LOST)
+                                              or any(w in str(exc) for w in _WRAPPED)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

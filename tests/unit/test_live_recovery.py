@@ -81,6 +81,28 @@ def test_only_a_failed_collective_asks_the_agents_to_re_form() -> None:
     assert not any(aborts.is_collective_failure(exc) for exc in own)
 
 
+def test_an_abort_seen_through_a_chained_future_is_a_collective_failure() -> None:
+    """A callback chained on an aborted collective's future (DDP's comm hook's ``then``)
+    fails with a RuntimeError that keeps only the abort's name and message: still the
+    collective's failure, not the loop's own (the soak of 211e9c6: 27 steps said 'not a
+    collective: waits 2 s')."""
+    failed: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    chained = failed.then(lambda fut: fut.value() * 2)
+    failed.set_exception(aborts.CollectiveAborted("the world re-forms as generation 3 "
+                                                  "(node lost)"))
+    with pytest.raises(RuntimeError) as caught:
+        chained.wait()
+    assert type(caught.value) is RuntimeError and caught.value.__cause__ is None
+    assert "CollectiveAborted: the world re-forms" in str(caught.value)
+    assert aborts.is_collective_failure(caught.value)
+    own: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    own_chained = own.then(lambda fut: fut.value() * 2)
+    own.set_exception(ValueError("bad batch"))
+    with pytest.raises(RuntimeError) as caught_own:
+        own_chained.wait()
+    assert not aborts.is_collective_failure(caught_own.value)
+
+
 # ---- the agent's per-worker contexts --------------------------------------------------------
 @dataclass
 class _Failure:
