@@ -372,14 +372,18 @@ class LeaseRendezvousHandler(RendezvousHandler):
         tally = RoundTally(self._min_nodes, self._max_nodes, self._options.last_call_timeout)
         previous: tuple[str, ...] = ()
         stalled = self.keys.stalled(number)
+        nodes, old = self.keys.nodes(number), self.keys.nodes(max(0, number - 1))
+        # The watch starts after this first read's revision: what any later read finds, or
+        # misses, the watch sees. (Reading the stalled mark before it let a mark put between
+        # the two reads go unseen, and the round waited its last call: CI on this machine,
+        # test_a_member_lost_right_after_its_round_closed_holds_the_next_round_for_nothing.)
+        kvs, revision = self._kv.range_prefix(nodes)
         found = self._kv.get_many([self.keys.world(max(0, number - 1)), stalled])
         before = found.get(self.keys.world(number - 1)) if number > 0 else None
         if before is not None:
             previous = World.decode(before.value, self.keys.world(number - 1)).members
         if stalled in found:
             tally.stall()
-        nodes, old = self.keys.nodes(number), self.keys.nodes(max(0, number - 1))
-        kvs, revision = self._kv.range_prefix(nodes)
         now = time.monotonic()
         for kv in kvs:
             tally.joined(kv.key[len(nodes):], kv.create_revision, now)
