@@ -241,13 +241,14 @@ def abort_collectives(reason: str, generation: int | None = None) -> None:
 
 _PEER_LOST = ("connection", "peer", "timed out", "nccl", "gloo")
 """Words of a backend's error about a lost peer (compared in lower case)."""
-_WRAPPED = ("CollectiveAborted:", "DistError:", "DistBackendError:", "DistNetworkError:",
-            "DistStoreError:")
+_WRAPPED = tuple(f"{kind.__name__}:" for kind in (CollectiveAborted, dist.DistError,
+                                                   dist.DistBackendError, dist.DistNetworkError,
+                                                   dist.DistStoreError))
 """How a failure keeps its type in a torch future's error: a callback chained on a failed
 future (``Future.then``, as DDP's communication hook's) raises ``RuntimeError("Got the
 following error when running the callback: CollectiveAborted: ...")``, the original
 exception neither its cause nor its context (the soak of 211e9c6: 27 such steps read as
-the loop's own errors, each waiting its grace instead of telling the agent)."""
+the loop's own errors; no time lost, as their re-formation was announced already)."""
 
 
 def is_collective_failure(exc: BaseException | None) -> bool:

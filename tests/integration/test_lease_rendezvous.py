@@ -310,7 +310,8 @@ def test_the_stalled_mark_is_seen_whenever_it_lands_between_the_coordinators_rea
     """The round after a member lost right after its round closed: forget_nodes marks it
     stalled in the background, and the mark may land between the next round's coordinator
     reading it and starting its watch. Seen either way, the round closes without its 30 s
-    last call (CI of 79c032c: the mark read before the round's keys, missed, 30.2 s)."""
+    last call (the CI-like run of f440999: the mark read before the round's keys, missed,
+    30.2 s)."""
     from elastic_train.rendezvous.forget import forget_nodes, round_node_ids
 
     run_id = uuid.uuid4().hex

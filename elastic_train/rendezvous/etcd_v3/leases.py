@@ -373,10 +373,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         previous: tuple[str, ...] = ()
         stalled = self.keys.stalled(number)
         nodes, old = self.keys.nodes(number), self.keys.nodes(max(0, number - 1))
-        # The watch starts after this first read's revision: what any later read finds, or
-        # misses, the watch sees. (Reading the stalled mark before it let a mark put between
-        # the two reads go unseen, and the round waited its last call: CI on this machine,
-        # test_a_member_lost_right_after_its_round_closed_holds_the_next_round_for_nothing.)
+        # The watch starts after this first read's revision: what a later read misses, the
+        # watch sees. (The stalled mark read first went unseen when forget_nodes put it
+        # between the two reads: the round waited its last call; test_lease_rendezvous.py.)
         kvs, revision = self._kv.range_prefix(nodes)
         found = self._kv.get_many([self.keys.world(max(0, number - 1)), stalled])
         before = found.get(self.keys.world(number - 1)) if number > 0 else None
