@@ -17,7 +17,8 @@ is noticed after its heartbeats are judged stale. Here (keys: rounds.py):
   (``num_nodes_waiting``): a few events per member, not one per joining node;
 - a member whose lease expires (its agent died, or was cut off for ``lease_ttl``) vanishes
   from ``round/r/node/``: every other member's watch sees the delete and reports a waiting
-  node, so the agents re-form the world without it; a node whose own lease is gone rejoins.
+  node, so the agents re-form the world without it; a node whose own lease is gone rejoins
+  (the members' watches: member_watch.py).
 
 Requests per node per rendezvous: O(1), about 5 (read ``closed`` and ``latest``, one txn
 that writes the node key and claims or reads the coordinator key, one watch, the store's
@@ -60,9 +61,9 @@ from elastic_train.rendezvous.etcd_v3.kv import (
     EtcdUnreachableError,
     KeyValue,
     LeaseNotFound,
-    Watch,
     WatchCompacted,
 )
+from elastic_train.rendezvous.etcd_v3.member_watch import MemberWatch
 from elastic_train.rendezvous.etcd_v3.node_lease import NodeLease
 from elastic_train.rendezvous.etcd_v3.options import EtcdV3Options
 from elastic_train.rendezvous.etcd_v3.outage import Outage, retry_unreachable
@@ -112,14 +113,11 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._outage = Outage(kv.endpoint, options.lease_ttl)
         self.world: World | None = None
         self._last_world: World | None = None  # the one a join in progress re-forms
-        self._monitors: list[Watch] = []
-        self._waiting = False  # a node waits for the next round (it created its coordinator)
-        self._lost: dict[str, float] = {}  # members whose lease expired: since when
+        self._watch = MemberWatch(kv, self.keys, self.node)  # a member's: who died, who waits
         self.lost_grace = 0.0
         """Seconds a member's expired lease waits before it makes the world re-form by a
         new round: live recovery sets it above its failure detector's timeout, which leaves
         the member out in place first (the fault campaign, seed 300: 6 s, not 1.5 s)."""
-        self._forgotten: set[str] = set()  # members left out in place (``forget_nodes``)
         self._member_key: str | None = None  # our node key in the round we are a member of
         self._joining: int | None = None  # the round a join in progress is in
         self._deadline: float | None = None  # of the join in progress
@@ -205,9 +203,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         world = self.world if self.world is not None else self._last_world
         members = set(world.members) if world is not None else set()
         found = sorted((nodes & members) - {self.node})
-        self._forgotten.update(found)
-        for node in found:
-            self._lost.pop(node, None)
+        self._watch.forget(found)
         if found and world is not None:  # mark stalled: the round being joined, or the next
             mark = self._joining if self.world is None else world.round + 1 if stalled else None
             keys = [self.keys.node(world.round, node) for node in found]
@@ -235,24 +231,23 @@ class LeaseRendezvousHandler(RendezvousHandler):
         if self._lease.lost:
             return 1
         try:
-            self._drain_monitor()
+            self._watch.drain()
         except EtcdUnreachableError as exc:
             self._outage.failed(exc)
-            self._stop_monitor()
+            self._watch.stop()
             return 0  # nobody can join while etcd is down: train on
         self._outage.reached()
-        now = time.monotonic()
-        lost = any(now - since >= self.lost_grace for since in self._lost.values())
-        return (1 if self._waiting else 0) + (1 if lost else 0)
+        return (1 if self._watch.waiting else 0) + (1 if self._watch.lost_for(self.lost_grace)
+                                                     else 0)
 
     def leave(self) -> None:
         """Leave without closing the rendezvous: stop watching and revoke this node's lease
         (its keys go at once, so the others see it leave at once)."""
-        self._stop_monitor()
+        self._watch.stop()
         self._lease.revoke()
 
     def shutdown(self) -> bool:
-        self._stop_monitor()
+        self._watch.stop()
         try:
             self.set_closed()
             return True
@@ -267,11 +262,11 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """One attempt at the next world (``retry_unreachable`` repeats it while etcd does not
         answer). A repeated attempt goes on with the round the failed one had joined, so a
         node whose round closed with it while etcd was away is not left alone in the next."""
-        self._stop_monitor()
+        self._watch.stop()
         if self.world is not None:
             self._last_world = self.world
         self.world = None
-        self._forgotten.clear()
+        self._watch.forgotten.clear()
         found = self._kv.get_many([self.keys.closed, self.keys.latest])  # etcd must answer
         if self._closed or self.keys.closed in found:
             raise RendezvousClosedError(f"rendezvous {self._run_id} is closed: the job ended")
@@ -295,10 +290,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
         try:
             if previous is not None and previous != key:
                 self._kv.delete(previous)  # the round before: its members re-form too
-            self._start_monitor(revision + 1)
+            self._watch.start(world, revision + 1)
         except EtcdUnreachableError as exc:  # joined: num_nodes_waiting() watches again later
             self._outage.failed(exc)
-            self._stop_monitor()
+            self._watch.stop()
             return world
         self._outage.reached()
         return world
@@ -442,62 +437,3 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 f"rendezvous {self._run_id} round {number} did not complete within "
                 f"{self._options.join_timeout:g} s (min {self._min_nodes} nodes): start the "
                 "other nodes, or raise --rdzv-conf join_timeout")
-
-    # ---- the members' watches ------------------------------------------------------------
-    def _start_monitor(self, since: int) -> None:
-        """From revision ``since`` (the world's close) on, watch this round's node keys (a
-        member's lease expiring deletes its key) and the next round's control keys (the
-        first node waiting for it creates its coordinator key): a few events per member,
-        whatever N."""
-        assert self.world is not None
-        self._waiting = False
-        self._lost.clear()
-        deaths = self._kv.watch_prefix(self.keys.nodes(self.world.round), since)
-        try:
-            arrivals = self._kv.watch_prefix(self.keys.ctl(self.world.round + 1), since)
-        except BaseException:
-            deaths.cancel()
-            raise
-        self._monitors = [deaths, arrivals]
-
-    def _restart_monitor(self) -> None:
-        """After a broken or compacted watch: what etcd holds now (one read each), then
-        watch again from there."""
-        assert self.world is not None
-        self._stop_monitor()
-        members, revision = self._kv.range_prefix(self.keys.nodes(self.world.round))
-        waiting = self._kv.get(self.keys.coordinator(self.world.round + 1))
-        alive = {kv.key[len(self.keys.nodes(self.world.round)):] for kv in members}
-        self._start_monitor(revision + 1)
-        self._waiting = waiting is not None
-        for node in set(self.world.members) - alive - {self.node} - self._forgotten:
-            self._lost.setdefault(node, time.monotonic())
-
-    def _stop_monitor(self) -> None:
-        for watch in self._monitors:
-            watch.cancel()
-        self._monitors = []
-
-    def _drain_monitor(self) -> None:
-        assert self.world is not None
-        if not self._monitors:  # broken by an outage: read again, watch again
-            self._restart_monitor()
-        deaths, arrivals = self._monitors
-        try:
-            died, arrived = deaths.next(0.0), arrivals.next(0.0)
-        except WatchCompacted:
-            self._restart_monitor()
-            return
-        prefix, members = self.keys.nodes(self.world.round), set(self.world.members)
-        for event in died:
-            node = event.key[len(prefix):]
-            if event.kind == "delete" and node in members and node != self.node \
-                    and node not in self._forgotten:
-                if node not in self._lost:
-                    log.warning("node %s of rendezvous round %d is gone (its lease expired):"
-                                " re-forming the world without it", node, self.world.round)
-                self._lost.setdefault(node, time.monotonic())
-        coordinator = self.keys.coordinator(self.world.round + 1)
-        for event in arrived:
-            if event.key == coordinator:
-                self._waiting = event.kind == "put"
