@@ -562,5 +562,59 @@ def test_a_rank_0_lost_right_after_the_round_closed_costs_its_members_a_bounded_
     began = time.monotonic()
     with pytest.raises(RoundMemberLostError, match="did not assign this node's worker ranks "
                                                    "within 1 s"):
-        h._store_info(world.members.index(h.node), store, len(world.members))
+        h._store_info(world.members.index(h.node), store, world)
     assert time.monotonic() - began < 5.0
+
+
+def test_a_rank_0_left_out_as_the_round_closed_ends_every_members_wait_for_its_address(
+        kv: KV) -> None:
+    """The soak of 5a44943, etcd-v3 seed 1404: a one-way loss on the round's rank 0 just as
+    the round closed; its members waited 10 s for the address it never wrote, then the next
+    round waited for its lease (13.4 s to the next step). Now a member whose failure
+    detector left rank 0 out (``forget_nodes``) gives up at once and names it, and says so
+    in the round's store, which ends the wait of a member that does not watch rank 0 (a
+    node that joins) too; named, rank 0 is left out of the next round with ``stalled``,
+    which closes at once without waiting for its lease."""
+    from torch.distributed import PrefixStore
+
+    from elastic_train.errors import RoundMemberLostError
+    from elastic_train.rendezvous.forget import forget_nodes, round_node_ids
+
+    run_id = uuid.uuid4().hex
+    slow = {"lease_ttl": 30, "last_call_timeout": 30}
+    members = [handler(kv, run_id, 1, 3, i, **slow) for i in range(3)]
+    worlds = run_threads(lambda i: members[i]._join(), 3)  # the round, no address yet
+    lost = next(i for i, w in enumerate(worlds) if w.members[0] == members[i].node)
+    watching, joining = (members[i] for i in range(3) if i != lost)
+    for h in (watching, joining):
+        h.world = worlds[members.index(h)]
+
+    def wait_for_address(h: LeaseRendezvousHandler) -> tuple[float, list[int] | str]:
+        world = worlds[members.index(h)]
+        store = PrefixStore(f"torch.rendezvous.{run_id}.{world.round}", h._store)
+        began = time.monotonic()
+        try:
+            h._store_info(world.members.index(h.node), store, world)
+        except RoundMemberLostError as exc:
+            return time.monotonic() - began, exc.missing
+        return time.monotonic() - began, "rank 0's address came"
+
+    results: dict[str, tuple[float, list[int] | str]] = {}
+    threads = [threading.Thread(target=lambda n=name, h=h: results.update(
+        {n: wait_for_address(h)}), daemon=True)
+        for name, h in (("watching", watching), ("joining", joining))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # both inside their wait (no hook tells it): the detector suspects now
+    assert forget_nodes(watching, [members[lost].node], coordinator=False, in_round=True) \
+        == [members[lost].node]
+    for t in threads:
+        t.join(10)
+    assert {name: missing for name, (_, missing) in results.items()} == \
+        {"watching": [0], "joining": [0]}, results
+    assert all(took < 3.0 for took, _ in results.values()), results  # not the 10 s bound
+    began = time.monotonic()
+    for h in (watching, joining):  # what the agents do with the rank named (round_ranks.py)
+        forget_nodes(h, round_node_ids(h, [0]), stalled=True)
+    worlds_after = run_threads(lambda i: (watching, joining)[i].next_rendezvous().world_size, 2)
+    assert worlds_after == [2, 2] and time.monotonic() - began < 10  # no lease, no last call

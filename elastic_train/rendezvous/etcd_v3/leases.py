@@ -42,7 +42,6 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import TypeVar
 
-import torch.distributed as dist
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -56,6 +55,13 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_train.errors import RoundMemberLostError
 from elastic_train.live.environment import set_rendezvous_seconds
+from elastic_train.live.round_waits import (
+    SILENT_CHECK_SECONDS,
+    mark_lost,
+    marked_lost,
+    poll_for,
+    waited,
+)
 from elastic_train.rendezvous.etcd_v3.kv import (
     KV,
     EtcdUnreachableError,
@@ -82,6 +88,9 @@ T = TypeVar("T")
 STORE_INFO_SECONDS = 10.0
 """How long a member waits for the address rank 0 writes as it learns the world (the same
 bound as agent/round_ranks.py's for the worker ranks that follow)."""
+STORE_INFO_GIVEN_UP_KEY = "elastic_train/store_info_given_up"
+"""Written in the round's store by the first member that gives up on rank 0's address
+(live/round_waits.mark_lost): every other member's wait ends on it."""
 
 
 def new_node_id(local_addr: str | None) -> str:
@@ -145,28 +154,42 @@ class LeaseRendezvousHandler(RendezvousHandler):
         set_rendezvous_seconds(time.monotonic() - started)
         rank = world.members.index(self.node)
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{world.round}", self._store)
-        info = self._store_info(rank, store, len(world.members))
+        info = self._store_info(rank, store, world)
         log.info("node %s joined round %d of rendezvous %s as rank %d of %d", self.node,
                  world.round, self._run_id, rank, len(world.members))
         return RendezvousInfo(store, rank, len(world.members), info)
 
-    def _store_info(self, rank: int, store: PrefixStore, members: int
+    def _store_info(self, rank: int, store: PrefixStore, world: World
                     ) -> RendezvousStoreInfo:
         """Where rank 0's workers host the process group's store: rank 0 picks a free port
         and writes both keys in one request, the others read both in one (torch's
         ``RendezvousStoreInfo.build`` does two of each). A rank 0 lost right after the round
         closed never writes them: ``RoundMemberLostError`` after ``STORE_INFO_SECONDS``, and
         the agent goes into the next round (agent/round_ranks.py; the fault campaign,
-        etcd-v3 seed 512: the others waited the store's 60 s and ended)."""
+        etcd-v3 seed 512: the others waited the store's 60 s and ended). The wait ends at
+        once, naming rank 0, when this node left rank 0 out (its failure detector:
+        ``forget_nodes``) or another member gave up on it (its word in the round's store,
+        for a member whose detector does not watch rank 0, as a node that joins): the soak
+        of 5a44943, seed 1404, a one-way loss on rank 0 as the round closed held every step
+        13.4 s, the 10 s of this wait and then the next round's wait for its lease."""
         keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
         if rank == 0:
             addr, port = self._local_addr or socket.getfqdn(), get_free_port()
             store.multi_set(keys, [addr.encode(), str(port).encode()])
             return RendezvousStoreInfo(addr, port)
-        try:  # rank 0 writes them as it learns the world: missing, it was lost just then
-            store.wait(keys, timedelta(seconds=STORE_INFO_SECONDS))
-        except dist.DistStoreError as exc:
-            raise RoundMemberLostError([], members, STORE_INFO_SECONDS) from exc
+        began = time.monotonic()
+        deadline = began + STORE_INFO_SECONDS
+        # rank 0 writes them as it learns the world: missing, it was lost just then
+        while not poll_for(store, keys, min(SILENT_CHECK_SECONDS,
+                                            max(0.0, deadline - time.monotonic()))):
+            if world.members[0] in self._watch.forgotten \
+                    or marked_lost(store, STORE_INFO_GIVEN_UP_KEY) is not None:
+                mark_lost(store, STORE_INFO_GIVEN_UP_KEY, [0])
+                raise RoundMemberLostError([0], len(world.members),
+                                           waited(began, STORE_INFO_SECONDS),
+                                           task="write where the workers meet")
+            if time.monotonic() >= deadline:
+                raise RoundMemberLostError([], len(world.members), STORE_INFO_SECONDS)
         addr_bytes, port_bytes = store.multi_get(keys)
         return RendezvousStoreInfo(addr_bytes.decode(), int(port_bytes.decode()))
 
