@@ -24,6 +24,7 @@ import json
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -180,6 +181,12 @@ def run_campaign(setup: Setup, schedule: Schedule, workdir: Path, disk: bool
         bed.close()
 
 
+def _end_by_signal(signum: int, _frame: object) -> None:
+    print(f"[chaos] {signal.Signals(signum).name}: tearing the bed down", file=sys.stderr,
+          flush=True)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=["etcd-v3", "c10d"], default="etcd-v3")
@@ -199,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                              "failed campaign, or of one with a fault slower to the next "
                              "step than SLOW_SECONDS, are always kept)")
     args = parser.parse_args(argv)
+    # SIGTERM (or a closed terminal) ends the soak through its teardown: the bed's processes
+    # killed, its namespaces deleted (the default handler left both behind)
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, _end_by_signal)
     reason = nb.unavailable_reason()
     if reason is not None:
         print(f"chaos: cannot make the test bed: {reason}", file=sys.stderr)

@@ -26,6 +26,7 @@ import itertools
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -507,6 +508,7 @@ class Campaign:
                 self.violations.append(Violation(
                     f"the world was not full again within {HEAL_BOUND:g} s of the last heal",
                     last.index, last.fault.describe()))
+                self._dump_stacks()
         for record, after in itertools.zip_longest(self.records, self.records[1:]):
             step = self._step_started_after(record.at)  # whatever came in between
             if step is None or step["time"] - record.at > NEXT_STEP_BOUND:
@@ -514,6 +516,23 @@ class Campaign:
                     f"no step started within {NEXT_STEP_BOUND:g} s of the fault (a wedge)",
                     record.index, record.fault.describe()))
             self._measure(record, after.at if after is not None else float("inf"))
+
+    def _dump_stacks(self) -> None:
+        """Where every live agent and its workers are, as the violation is found (before
+        the final SIGTERM moves them): py-spy's dump of each process (every thread's
+        Python stack), appended to ``stacks.txt`` beside the node logs."""
+        spy = Path(sys.executable).with_name("py-spy")
+        if not spy.exists():
+            return
+        with open(self.workdir / "stacks.txt", "a") as out:
+            for name, agent in self.agents.items():
+                if agent.node.proc.poll() is not None:
+                    continue
+                for pid in [agent.pid, *harness.workers_of(agent.pid).values()]:
+                    out.write(f"==== {name}: pid {pid} at {time.time():.3f}\n")
+                    out.flush()
+                    subprocess.run([str(spy), "dump", "--pid", str(pid)], stdout=out,
+                                   stderr=subprocess.STDOUT, timeout=30, check=False)
 
     def finish(self) -> dict[int, int | None]:
         """SIGTERM every agent at once (the job deleted); their exit codes. Each must end
