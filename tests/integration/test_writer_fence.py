@@ -20,22 +20,27 @@ from tests.integration import harness
 
 pytestmark = pytest.mark.slow
 
+STEPS = 150
 JOB = ["--task", "tests.integration.paced_task:make_task", "--task-opt", "preset=tiny",
-       "--task-opt", "pace=0.05", "--batch-size", "16", "--steps", "300",
+       "--batch-size", "16", "--steps", str(STEPS),
        "--checkpoint-every", "10", "--keep-checkpoints", "50", "--log-every", "50",
        "--nproc-per-node", "2", "--max-restarts", "0"]
+OLDER = [*JOB, "--task-opt", "pace=0.1"]
+"""The older world trains slowly, so that it is still training (its next checkpoint ahead)
+when the newer one has started and claimed the run, however slowly processes start."""
+NEWER = JOB  # at full speed: the suite need not wait for its steps
 TIMEOUT = 180
 
 
 def test_the_older_world_stops_without_committing_once_a_newer_world_owns_the_run(
         tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    older = harness.elastic_run(run_dir, JOB)
+    older = harness.elastic_run(run_dir, OLDER)
     newer = None
     try:
         older.wait_for_event(lambda e: e["event"] == "checkpoint_saved" and e["step"] >= 20,
                              timeout=TIMEOUT)
-        newer = harness.elastic_run(run_dir, JOB)
+        newer = harness.elastic_run(run_dir, NEWER)
         fenced = older.wait_for_event(lambda e: e["event"] == "checkpoint_fenced",
                                       timeout=TIMEOUT)
         assert older.wait(60) != 0, older.report()
@@ -61,7 +66,7 @@ def test_the_older_world_stops_without_committing_once_a_newer_world_owns_the_ru
     for manifest in sorted((run_dir / "checkpoints").glob(f"step-*/{MANIFEST}")):
         record = json.loads(manifest.read_text())
         writers[record["step"]] = record["writer_epoch"]
-    assert writers[300] == 2
+    assert writers[STEPS] == 2
     assert {s: w for s, w in writers.items() if s > resumed} == \
-        {s: 2 for s in range(resumed + 10, 301, 10)}
+        {s: 2 for s in range(resumed + 10, STEPS + 1, 10)}
     assert all(w == 1 for s, w in writers.items() if s <= resumed)
