@@ -405,9 +405,15 @@ class Campaign:
         else:
             raise ValueError(f"unknown fault kind {kind}")
         record.healed_at = time.time()
-        if fault.wait_heal:
-            self._wait(lambda: self._step_at_world(self.setup.full_world, record.healed_at or 0),
-                       HEAL_BOUND, index)
+        if fault.wait_heal and not self._wait(
+                lambda: self._step_at_world(self.setup.full_world, record.healed_at or 0),
+                HEAL_BOUND, index) and not self.job_died:
+            # Counted: until 2026-12-02 this wait ran out silently, and the next fault went
+            # on (the soaks of 211e9c6 and d1a8ad9, c10d's of 9c51e2c: five such heals)
+            self.violations.append(Violation(
+                f"the world was not full again within {HEAL_BOUND:g} s of the heal",
+                index, fault.describe()))
+            self._dump_stacks()
         self._pause(fault.gap, index)
         self._measure(record)
         if kind == "worker_kill" and full_before:
