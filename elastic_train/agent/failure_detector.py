@@ -20,14 +20,6 @@ against a frozen server). A datagram lost now and then costs nothing: ``timeout`
 several intervals. Costs: ``2 * fanout`` datagrams of ~80 bytes per interval per node,
 whatever the job's size (docs/rendezvous-at-scale.md).
 
-A peer whose agent process is gone while its kernel lives (the agent killed, OOM-killed,
-its host's processes killed) is suspected at once, not after ``timeout``: each watched peer
-is pinged from a UDP socket connected to it, and its kernel's ICMP port-unreachable comes
-back on that socket as ECONNREFUSED, which says whose port it was (the soak of 5a44943,
-seed 1405: a host killed while the world grew in place for a joining node, so that no
-collective failed at once, cost the others 1.42 s, the whole timeout). A silent host (cut
-off, frozen, powered off) sends no such answer: it waits the timeout as before.
-
 A false suspicion (a peer alive but unheard: a long stop of its whole process, a network
 blip) costs a re-formation: the suspected node's plan is stale, it commits nothing (the
 plan's compare-and-swap, the checkpoint writer's fence) and rejoins. Never a wrong result.
@@ -106,15 +98,6 @@ class Suspicion:
     def silent_for(self, peer: str, now: float) -> float:
         return now - self._heard.get(peer, now)
 
-    def refused(self, peer: str) -> bool:
-        """The peer's kernel said that nothing listens where its agent answered: the agent
-        is gone, suspected now (an answer after this would clear it, as ``heard`` does).
-        Whether this is news (it was not refused already)."""
-        if peer not in self._heard or self._heard[peer] == float("-inf"):
-            return False
-        self._heard[peer] = float("-inf")
-        return True
-
 
 def _address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
@@ -132,9 +115,6 @@ class PeerHeartbeats:
         self._sock = socket.socket(family, socket.SOCK_DGRAM)
         self._sock.bind((host, 0))
         self._sock.setblocking(False)
-        self._host, self._family = host, family
-        self._pingers: dict[str, tuple[tuple[str, int], socket.socket]] = {}
-        """Per watched peer, the socket connected to its beat address (the thread's own)."""
         self.port = self._sock.getsockname()[1]
         self.interval = interval
         self.timeout = timeout
@@ -200,9 +180,6 @@ class PeerHeartbeats:
                               "only by the rendezvous")
         finally:
             selector.close()
-            for _, pinger in self._pingers.values():
-                pinger.close()
-            self._pingers.clear()
 
     def _receive(self) -> None:
         for _ in range(64):  # what is queued now, then back to the clock
@@ -228,65 +205,12 @@ class PeerHeartbeats:
                     self._suspicion.heard(peer, time.monotonic())
 
     def _ping_all(self) -> None:
-        """Read each watched peer's answers (and refusals) since the last ping, then ping
-        it again, from the socket connected to it."""
         with self._lock:
-            targets = dict(self._watched)
+            targets = list(self._watched.items())
         self._seq += 1
-        for agent in set(self._pingers) - set(targets):
-            self._pingers.pop(agent)[1].close()
-        for agent, target in targets.items():
-            pinger = self._pinger(agent, target)
-            if pinger is None:
-                continue
-            try:
-                self._read_answers(agent, pinger)
-                pinger.send(json.dumps({"ping": self._seq, "to": agent}).encode())
-            except ConnectionRefusedError:
-                self._refused(agent)
-            except OSError:  # unreachable for now (a cable, a route): the timeout decides
-                pass
-
-    def _pinger(self, agent: str, target: tuple[str, int]) -> socket.socket | None:
-        """The socket connected to ``agent``'s beat address (made on first use, and again
-        when the address changed)."""
-        known = self._pingers.pop(agent, None)
-        if known is not None and known[0] == target:
-            self._pingers[agent] = known
-            return known[1]
-        if known is not None:
-            known[1].close()
-        try:
-            pinger = socket.socket(self._family, socket.SOCK_DGRAM)
-            pinger.bind((self._host, 0))
-            pinger.setblocking(False)
-            pinger.connect(target)
-        except OSError:
-            return None
-        self._pingers[agent] = (target, pinger)
-        return pinger
-
-    def _read_answers(self, agent: str, pinger: socket.socket) -> None:
-        for _ in range(64):
-            try:
-                data = pinger.recv(_MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                return
-            try:
-                message = json.loads(data)
-                answered = "pong" in message and str(message["from"]) == agent
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # not ours: ignored
-            if answered:
-                with self._lock:
-                    self._suspicion.heard(agent, time.monotonic())
-
-    def _refused(self, agent: str) -> None:
-        with self._lock:
-            news = agent in self._watched and self._suspicion.refused(agent)
-        if news:
-            log.info("the failure detector's ping to agent %s was refused (its process is "
-                     "gone)", agent)
+        for agent, target in targets:
+            with contextlib.suppress(OSError):
+                self._sock.sendto(json.dumps({"ping": self._seq, "to": agent}).encode(), target)
 
     def _check(self, now: float) -> None:
         with self._lock:
