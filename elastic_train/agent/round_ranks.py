@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from elastic_train.errors import RoundMemberLostError
-from elastic_train.live.round_waits import mark_lost, marked_lost, poll_for, waited
+from elastic_train.live.round_waits import mark_lost, marked_lost, wait_for_keys, waited
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int
         def ranks(of: list[str]) -> list[int]:
             return [int(k[len(ROLE_INFO_PREFIX):]) for k in of]
 
-        missing = _wait_for(store, keys, deadline,
+        missing = wait_for_keys(store, keys, deadline,
                             lambda left: _all_lost(store, ranks(left), silent))
         if missing:
             lost = marked_lost(store, GIVEN_UP_KEY) or ranks(missing)
@@ -100,7 +100,7 @@ def assign_round_ranks(store: dist.Store, group_rank: int, group_world_size: int
         store.multi_set(*_assigned(infos))
         ours = tuple(i for i, info in enumerate(infos) if json.loads(info).get(OURS_FIELD))
     mine = f"{ASSIGNED_RANKS_PREFIX}{group_rank}"
-    if _wait_for(store, [mine], deadline,
+    if wait_for_keys(store, [mine], deadline,
                  lambda _: silent([0]) or marked_lost(store, GIVEN_UP_KEY) is not None):
         lost = marked_lost(store, GIVEN_UP_KEY) or ([0] if silent([0]) else [])
         mark_lost(store, GIVEN_UP_KEY, lost)
@@ -133,24 +133,6 @@ def _assigned(infos: list[bytes]) -> tuple[list[str], list[str]]:
         base += info["local_world_size"]
         role_ranks[info["role"]] += info["local_world_size"]
     return keys, values
-
-
-SILENT_CHECK_SECONDS = 0.25
-"""How often a wait asks whether a missing member is silent (``assign_round_ranks``)."""
-
-
-def _wait_for(store: dist.Store, keys: list[str], deadline: float,
-              give_up: Callable[[list[str]], bool]) -> list[str]:
-    """Poll until every key of ``keys`` exists, ``deadline``, or ``give_up(missing keys)``;
-    the keys still missing (a key, once set, stays: only those missing are asked again)."""
-    missing = keys
-    while True:
-        left = deadline - time.monotonic()
-        if poll_for(store, missing, min(SILENT_CHECK_SECONDS, max(0.0, left))):
-            return []
-        missing = [k for k in missing if not store.check([k])]
-        if missing and (time.monotonic() >= deadline or give_up(missing)):
-            return missing
 
 
 ROUND_ATTEMPTS = 10

@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["mark_lost", "marked_lost", "poll_for", "wait_for_arrivals", "wait_for_plan", "waited"]
+__all__ = ["mark_lost", "marked_lost", "poll_for", "wait_for_arrivals", "wait_for_keys",
+           "wait_for_plan", "waited"]
 
 SILENT_CHECK_SECONDS = 0.25
 """How often a wait asks which agents are missing and whether the detector suspects them."""
@@ -44,6 +45,21 @@ def poll_for(store: Any, keys: list[str], seconds: float) -> bool:
         time.sleep(min(pause, left))
         pause = min(pause * 2, _POLL_MAX)
     return True
+
+
+def wait_for_keys(store: Any, keys: list[str], deadline: float,
+                  give_up: Callable[[list[str]], bool]) -> list[str]:
+    """Poll until every key of ``keys`` exists, ``deadline``, or ``give_up(missing keys)``
+    (asked every ``SILENT_CHECK_SECONDS``); the keys still missing (a key, once set, stays:
+    only those missing are asked again)."""
+    missing = keys
+    while True:
+        left = deadline - time.monotonic()
+        if poll_for(store, missing, min(SILENT_CHECK_SECONDS, max(0.0, left))):
+            return []
+        missing = [k for k in missing if not store.check([k])]
+        if missing and (time.monotonic() >= deadline or give_up(missing)):
+            return missing
 
 
 def waited(began: float, bound: float) -> float:

@@ -506,8 +506,8 @@ class Campaign:
         """The last heal was followed by the full world within HEAL_BOUND, and every fault
         by a step within NEXT_STEP_BOUND; then each record's figures, from the steps before
         the next fault."""
-        if self.records and not self.job_died:
-            last = self.records[-1]
+        if self.records and not self.job_died and not self.records[-1].fault.wait_heal:
+            last = self.records[-1]  # (a heal waited for in apply() was checked there)
             healed = last.healed_at or last.at
             if not self._wait(lambda: self._step_at_world(self.setup.full_world, healed),
                               max(0.0, healed + HEAL_BOUND - time.time()), last.index):

@@ -557,3 +557,17 @@ def test_a_longer_campaign_breaks_nothing(netbed: Factory, tmp_path: Path, backe
     run = campaign(netbed, tmp_path, setup, schedule)
     show(run)
     assert_clean(run)
+
+
+@pytest.mark.extended
+def test_replay_a_one_way_loss_on_rank_0_as_its_round_closed_holds_no_step_for_long(
+        netbed: Factory, tmp_path: Path) -> None:
+    """Found by the soak of 5a44943 (etcd-v3 seed 1404, fault 13): node B's host killed and
+    its agent started again (fault 12); A and C went into the round B opened, A its rank 0,
+    and A lost every incoming packet just then. The round closed with the three; A never
+    wrote the workers' store address, C and B waited their 10 s for it, then the next round
+    waited for A's lease: 13.36 s to the next step. A member's wait now ends once its
+    failure detector leaves rank 0 out, or another member gave up on it, and rank 0 is left
+    out of the next round (05dadc2; test_lease_rendezvous.py pins it deterministically,
+    this replay depends on when the one-way loss lands)."""
+    replay_prefix(netbed, tmp_path, 1404, 14, {12: "host_kill", 13: "one_way"}, within=5.0)

@@ -589,9 +589,27 @@ def test_a_rank_0_left_out_as_the_round_closed_ends_every_members_wait_for_its_a
     for h in (watching, joining):
         h.world = worlds[members.index(h)]
 
+    polls = {"watching": 0, "joining": 0}
+
+    class Counted:
+        """The round's store, counting the waiter's polls (so that the test knows both are
+        inside their wait)."""
+
+        def __init__(self, store: Any, name: str) -> None:
+            self._store, self._name = store, name
+
+        def check(self, keys: list[str]) -> bool:
+            polls[self._name] += 1
+            return self._store.check(keys)
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self._store, attr)
+
     def wait_for_address(h: LeaseRendezvousHandler) -> tuple[float, list[int] | str]:
         world = worlds[members.index(h)]
-        store = PrefixStore(f"torch.rendezvous.{run_id}.{world.round}", h._store)
+        name = "watching" if h is watching else "joining"
+        store = Counted(PrefixStore(f"torch.rendezvous.{run_id}.{world.round}", h._store),
+                        name)
         began = time.monotonic()
         try:
             h._store_info(world.members.index(h.node), store, world)
@@ -605,7 +623,7 @@ def test_a_rank_0_left_out_as_the_round_closed_ends_every_members_wait_for_its_a
         for name, h in (("watching", watching), ("joining", joining))]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # both inside their wait (no hook tells it): the detector suspects now
+    wait_until(lambda: min(polls.values()) > 0, 5, "both members inside their wait")
     assert forget_nodes(watching, [members[lost].node], coordinator=False, in_round=True) \
         == [members[lost].node]
     for t in threads:

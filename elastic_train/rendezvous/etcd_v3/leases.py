@@ -55,13 +55,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic_train.errors import RoundMemberLostError
 from elastic_train.live.environment import set_rendezvous_seconds
-from elastic_train.live.round_waits import (
-    SILENT_CHECK_SECONDS,
-    mark_lost,
-    marked_lost,
-    poll_for,
-    waited,
-)
+from elastic_train.live.round_waits import mark_lost, marked_lost, wait_for_keys, waited
 from elastic_train.rendezvous.etcd_v3.kv import (
     KV,
     EtcdUnreachableError,
@@ -178,18 +172,19 @@ class LeaseRendezvousHandler(RendezvousHandler):
             store.multi_set(keys, [addr.encode(), str(port).encode()])
             return RendezvousStoreInfo(addr, port)
         began = time.monotonic()
-        deadline = began + STORE_INFO_SECONDS
+
+        def given_up(_: list[str]) -> bool:
+            return world.members[0] in self._watch.forgotten \
+                or marked_lost(store, STORE_INFO_GIVEN_UP_KEY) is not None
+
         # rank 0 writes them as it learns the world: missing, it was lost just then
-        while not poll_for(store, keys, min(SILENT_CHECK_SECONDS,
-                                            max(0.0, deadline - time.monotonic()))):
-            if world.members[0] in self._watch.forgotten \
-                    or marked_lost(store, STORE_INFO_GIVEN_UP_KEY) is not None:
-                mark_lost(store, STORE_INFO_GIVEN_UP_KEY, [0])
-                raise RoundMemberLostError([0], len(world.members),
-                                           waited(began, STORE_INFO_SECONDS),
-                                           task="write where the workers meet")
-            if time.monotonic() >= deadline:
+        if wait_for_keys(store, keys, began + STORE_INFO_SECONDS, given_up):
+            if not given_up(keys):
                 raise RoundMemberLostError([], len(world.members), STORE_INFO_SECONDS)
+            mark_lost(store, STORE_INFO_GIVEN_UP_KEY, [0])
+            raise RoundMemberLostError([0], len(world.members),
+                                       waited(began, STORE_INFO_SECONDS),
+                                       task="write where the workers meet")
         addr_bytes, port_bytes = store.multi_get(keys)
         return RendezvousStoreInfo(addr_bytes.decode(), int(port_bytes.decode()))
 
